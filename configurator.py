@@ -1,0 +1,145 @@
+"""
+Typed configuration from config files and command-line overrides, nanoGPT style:
+
+    python train.py config/train_shakespeare_char.py --batch_size=32 --compile=False
+
+Each script describes its settings as a dataclass whose fields carry a help text
+(`field(default=..., metadata={"help": "..."})`). Config files hold plain
+`key = value` lines; the values are Python literals read with ast.literal_eval,
+so a config file is parsed, never executed. Later sources override earlier ones:
+dataclass defaults, then config files in order, then --key=value arguments.
+
+Any mistake raises UserError with one line naming the key; scripts turn it into
+`error: ...` on stderr and exit status 2.
+"""
+
+import ast
+import dataclasses
+import sys
+import typing
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for: reported as one line, exit status 2, no traceback."""
+
+
+def fail(message, code=2):
+    """Print one error line to stderr and exit (status 2 by default)."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def run_main(main_fn):
+    """Run a script's main, turning UserError into a one-line message and exit status 2."""
+    try:
+        main_fn()
+    except UserError as e:
+        fail(str(e))
+
+
+def _type_name(tp):
+    if typing.get_origin(tp) is typing.Union:
+        return " | ".join("None" if a is type(None) else a.__name__ for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(key, raw, tp, from_cli):
+    """Turn raw (a string from the command line, or a parsed literal from a file) into type tp."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Union:  # Optional[X]
+        if raw is None or (from_cli and raw in ("None", "none", "null")):
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        return _convert(key, raw, inner, from_cli)
+    if from_cli:
+        if tp is str:
+            # accept both --start=hello and --start='hello'
+            try:
+                value = ast.literal_eval(raw)
+                return value if isinstance(value, str) else raw
+            except (ValueError, SyntaxError):
+                return raw
+        if tp is bool and raw.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return raw.lower() in ("true", "1", "yes")
+        try:
+            raw = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            raise UserError(f"--{key}: cannot read {raw!r} as {_type_name(tp)}") from None
+    if tp is float and isinstance(raw, int) and not isinstance(raw, bool):
+        raw = float(raw)
+    if tp is bool and isinstance(raw, int) and raw in (0, 1) and not isinstance(raw, bool):
+        raw = bool(raw)
+    if typing.get_origin(tp) is tuple:
+        if not isinstance(raw, (tuple, list)) or len(raw) != len(args):
+            raise UserError(f"{key}: expected a tuple of {len(args)} values, got {raw!r}")
+        return tuple(_convert(key, r, a, False) for r, a in zip(raw, args))
+    if not isinstance(raw, tp) or (tp is int and isinstance(raw, bool)):
+        raise UserError(f"{key}: expected {_type_name(tp)}, got {raw!r} ({type(raw).__name__})")
+    return raw
+
+
+def read_config_file(path):
+    """Parse a config file of `key = literal` lines into a dict, executing nothing."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except OSError as e:
+        raise UserError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        tree = ast.parse(source, filename=path)
+    except SyntaxError as e:
+        raise UserError(f"{path}:{e.lineno}: not a valid config line ({e.msg})") from None
+    values = {}
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # a docstring
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            raise UserError(f"{path}:{node.lineno}: config files hold only `key = value` lines")
+        key = node.targets[0].id
+        try:
+            values[key] = ast.literal_eval(node.value)
+        except ValueError:
+            raise UserError(
+                f"{path}:{node.lineno}: the value of {key} must be a plain literal "
+                f"(number, string, True/False, None, tuple); config files are not executed"
+            ) from None
+    return values
+
+
+def help_text(cls, usage):
+    lines = [f"usage: {usage}", "", "settings (--key=value; config files hold key = value lines):"]
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  --{f.name}={default!r}  ({_type_name(hints[f.name])})  {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def parse(cls, argv=None, usage="script.py [config_file ...] [--key=value ...]", extra_files_ok=True):
+    """Build a cls instance from config files and --key=value arguments (default: sys.argv[1:])."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text(cls, usage))
+        sys.exit(0)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+
+    def set_value(key, raw, from_cli):
+        if key not in fields:
+            where = f"--{key}" if from_cli else key
+            raise UserError(f"unknown setting {where}; see --help for the list")
+        values[key] = _convert(key, raw, hints[key], from_cli)
+
+    for arg in argv:
+        if arg.startswith("--"):
+            key, eq, raw = arg[2:].partition("=")
+            if not eq:
+                raise UserError(f"{arg}: write settings as --key=value")
+            set_value(key, raw, from_cli=True)
+        elif extra_files_ok and not arg.startswith("-"):
+            for key, raw in read_config_file(arg).items():
+                set_value(key, raw, from_cli=False)
+        else:
+            raise UserError(f"unexpected argument {arg!r}; see --help")
+    return cls(**values)

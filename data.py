@@ -1,0 +1,75 @@
+"""
+Training data: the token files prepare.py writes, and random batches from them.
+
+Each split is memory-mapped once. A batch is B random windows of block_size + 1
+tokens, gathered with one fancy-indexing call (no Python loop, no re-opening the
+file per batch); x is the window without its last token, y without its first.
+
+The sampler owns its random generator, seeded per rank, so that
+ - every data-parallel rank draws different batches, and
+ - its state goes into checkpoints and a resumed run draws exactly the batches
+   the uninterrupted run would have drawn.
+"""
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from configurator import UserError
+
+
+def load_meta(data_dir):
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.isfile(path):
+        return None  # nanoGPT's GPT-2 datasets (openwebtext) come without one
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is not valid JSON ({e}); run prepare.py again") from None
+
+
+def load_split(data_dir, split, block_size):
+    """Memory-map data_dir/{split}.bin, checking that it holds at least one training window."""
+    path = os.path.join(data_dir, f"{split}.bin")
+    if not os.path.isdir(data_dir):
+        raise UserError(f"dataset directory {data_dir} does not exist; create it with prepare.py "
+                        f"(e.g. python prepare.py shakespeare_char)")
+    if not os.path.isfile(path):
+        raise UserError(f"{path} is missing; run prepare.py for this dataset")
+    n = os.path.getsize(path) // 2
+    if n < block_size + 1:
+        raise UserError(f"{path} has {n} tokens, fewer than block_size + 1 = {block_size + 1}; "
+                        f"use more text or a smaller --block_size")
+    return np.memmap(path, dtype=np.uint16, mode="r", shape=(n,))
+
+
+class BatchSampler:
+    """Random (x, y) batches of one split, drawn with the sampler's own generator."""
+
+    def __init__(self, data, batch_size, block_size, seed, device="cpu"):
+        self.data = data
+        self.batch_size = batch_size
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.offsets = torch.arange(block_size + 1)
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    def next(self):
+        starts = torch.randint(len(self.data) - self.block_size, (self.batch_size,), generator=self.generator)
+        windows = torch.from_numpy(self.data[(starts[:, None] + self.offsets).numpy()].astype(np.int64))
+        x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        if self.device.type == "cuda":
+            # pinned host memory lets the copy run asynchronously with the GPU's work
+            return (x.pin_memory().to(self.device, non_blocking=True),
+                    y.pin_memory().to(self.device, non_blocking=True))
+        return x.to(self.device), y.to(self.device)
+
+    def state_dict(self):
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state["generator"])

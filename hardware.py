@@ -1,0 +1,70 @@
+"""
+Device and precision: which device to run on, which dtype, and the autocast context.
+
+    device: auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
+    dtype:  auto (bfloat16 on CUDA GPUs that support it, else float16 on CUDA,
+            float32 elsewhere) | float32 | bfloat16 | float16
+"""
+
+from contextlib import nullcontext
+
+import torch
+
+from configurator import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name="auto"):
+    if name == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    kind = name.split(":")[0]
+    if kind not in ("cpu", "cuda", "mps") or (kind != "cuda" and ":" in name):
+        raise UserError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device {name} asked for, but this machine has no usable CUDA GPU; use --device=cpu")
+        index = name.split(":")[1] if ":" in name else "0"
+        if not index.isdigit() or int(index) >= torch.cuda.device_count():
+            raise UserError(f"device {name} does not exist; this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise UserError("device mps asked for, but MPS is not available here; use --device=cpu")
+    return name
+
+
+def pick_dtype(name, device):
+    device_type = device.split(":")[0]
+    if name == "auto":
+        if device_type == "cuda":
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        return "float32"
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
+    if name == "float16" and device_type != "cuda":
+        raise UserError(f"dtype float16 needs a CUDA device (it trains with a GradScaler); "
+                        f"use --dtype=bfloat16 or --dtype=float32 on {device_type}")
+    return name
+
+
+def autocast(device, dtype):
+    """Mixed precision for the forward pass; plain fp32 needs no context."""
+    device_type = device.split(":")[0]
+    if dtype == "float32" or device_type == "mps":
+        return nullcontext()
+    return torch.autocast(device_type=device_type, dtype=DTYPES[dtype])
+
+
+def peak_flops(device):
+    """Dense bf16 peak FLOP/s of the GPU, for MFU; None where we do not know it."""
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in (("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("L4", 121e12),
+                       ("A10", 125e12), ("4090", 165e12), ("3090", 71e12)):
+        if key in name:
+            return flops
+    return 312e12  # unknown GPU: report against an A100, as nanoGPT does

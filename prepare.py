@@ -1,0 +1,164 @@
+"""
+Turn a text file into a training dataset: data/<name>/{train.bin, val.bin, meta.json}.
+
+    python prepare.py shakespeare_char [--input PATH]   # Tiny Shakespeare, one token per character
+    python prepare.py shakespeare [--input PATH]        # the same corpus in GPT-2 BPE
+    python prepare.py text --input PATH --name NAME [--tokenizer char|gpt2]
+
+train.bin / val.bin hold the token ids of the first 90% / last 10% of the text
+(split by characters) as raw uint16, nanoGPT's format, so data prepared for
+nanoGPT works here and the other way round. meta.json says which tokenizer made
+them (and, for characters, the vocabulary). The file is read in chunks, so a
+large corpus never has to fit in memory as one string.
+"""
+
+import argparse
+import json
+import os
+import urllib.request
+
+import numpy as np
+from tqdm import tqdm
+
+from configurator import UserError, run_main
+from tokenizer import CharTokenizer, GPT2Tokenizer
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+CHUNK_BYTES = 4 << 20  # read ~4 MiB of whole lines at a time
+
+
+def read_chunks(path, progress=True):
+    """Yield the file's text in chunks of whole lines, strictly decoded as UTF-8."""
+    size = os.path.getsize(path)
+    offset = 0
+    with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"reading {os.path.basename(path)}",
+                                     disable=not progress or size < CHUNK_BYTES, leave=False) as bar:
+        while True:
+            lines = f.readlines(CHUNK_BYTES)
+            if not lines:
+                return
+            raw = b"".join(lines)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(
+                    f"{path} is not UTF-8 text (bad byte at offset {offset + e.start}); convert it to UTF-8 first"
+                ) from None
+            offset += len(raw)
+            bar.update(len(raw))
+            yield text
+
+
+def scan(path):
+    """First pass: number of characters and the set of characters."""
+    n_chars, chars = 0, set()
+    for text in read_chunks(path):
+        n_chars += len(text)
+        chars.update(text)
+    if n_chars == 0:
+        raise UserError(f"{path} is empty; give a text file with some content")
+    return n_chars, chars
+
+
+def prepare(input_path, out_dir, tokenizer_kind="char", val_fraction=0.1):
+    """Tokenize input_path into out_dir/train.bin, val.bin and meta.json; return the meta dict."""
+    if not os.path.isfile(input_path):
+        raise UserError(f"input file {input_path} does not exist; pass an existing text file with --input")
+    if not 0.0 < val_fraction < 1.0:
+        raise UserError(f"--val_fraction must be between 0 and 1, got {val_fraction}")
+    n_chars, chars = scan(input_path)
+    if tokenizer_kind == "char":
+        tok = CharTokenizer(sorted(chars))
+    elif tokenizer_kind == "gpt2":
+        tok = GPT2Tokenizer()
+    else:
+        raise UserError(f"unknown tokenizer {tokenizer_kind!r}; use char or gpt2")
+    if tok.vocab_size > 65536:
+        raise UserError(f"{input_path} has {tok.vocab_size} distinct characters, more than uint16 can hold; "
+                        f"use --tokenizer gpt2")
+    split_at = int(n_chars * (1 - val_fraction))  # first 90% of the characters train, the rest validate
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {s: os.path.join(out_dir, f"{s}.bin") for s in ("train", "val")}
+    counts = {"train": 0, "val": 0}
+    files = {s: open(p + ".tmp", "wb") for s, p in paths.items()}
+    try:
+        pos = 0
+        with tqdm(total=n_chars, unit="char", unit_scale=True, desc="tokenizing",
+                  disable=n_chars < CHUNK_BYTES) as bar:
+            for text in read_chunks(input_path, progress=False):
+                cut = min(max(split_at - pos, 0), len(text))
+                for split, part in (("train", text[:cut]), ("val", text[cut:])):
+                    if part:
+                        ids = np.array(tok.encode(part), dtype=np.uint16)
+                        ids.tofile(files[split])
+                        counts[split] += len(ids)
+                pos += len(text)
+                bar.update(len(text))
+        for f in files.values():
+            f.close()
+        # only now replace what was there: a failure above leaves an existing dataset untouched
+        for split, p in paths.items():
+            os.replace(p + ".tmp", p)
+    finally:
+        for split, f in files.items():
+            f.close()
+            if os.path.exists(paths[split] + ".tmp"):
+                os.remove(paths[split] + ".tmp")
+
+    meta = tok.meta()
+    meta.update({"train_tokens": counts["train"], "val_tokens": counts["val"], "source": os.path.abspath(input_path)})
+    with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, ensure_ascii=False, indent=1)
+    print(f"{out_dir}: vocab_size {tok.vocab_size}, train {counts['train']:,} tokens, val {counts['val']:,} tokens")
+    return meta
+
+
+def download_shakespeare(data_dir):
+    """Tiny Shakespeare, downloaded once into data/shakespeare_char/input.txt."""
+    path = os.path.join(data_dir, "shakespeare_char", "input.txt")
+    if os.path.isfile(path):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as r:
+            body = r.read()
+    except Exception as e:
+        reason = getattr(e, "reason", None) or e
+        raise UserError(f"cannot download Tiny Shakespeare ({reason}); "
+                        f"give a local copy with --input PATH/TO/input.txt") from None
+    with open(path + ".tmp", "wb") as f:
+        f.write(body)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UserError(f"{message}; see --help")
+
+
+def main(argv=None):
+    p = OneLineParser(description="Prepare a text corpus for train.py (writes data/NAME/train.bin, val.bin, meta.json).")
+    p.add_argument("dataset", choices=["shakespeare_char", "shakespeare", "text"],
+                   help="shakespeare_char: Tiny Shakespeare by character; shakespeare: Tiny Shakespeare in GPT-2 BPE; "
+                        "text: any UTF-8 file given with --input")
+    p.add_argument("--input", help="local text file (for shakespeare*: skips the download)")
+    p.add_argument("--name", help="dataset name for `text` (output in DATA_DIR/NAME)")
+    p.add_argument("--tokenizer", choices=["char", "gpt2"], default="char", help="for `text` (default char)")
+    p.add_argument("--data_dir", default="data", help="where datasets live (default: data)")
+    p.add_argument("--val_fraction", type=float, default=0.1, help="share of the text kept for validation")
+    args = p.parse_args(argv)
+
+    if args.dataset == "text":
+        if not args.input or not args.name:
+            raise UserError("`text` needs --input PATH and --name NAME")
+        name, kind = args.name, args.tokenizer
+    else:
+        name, kind = args.dataset, "char" if args.dataset == "shakespeare_char" else "gpt2"
+    input_path = args.input or download_shakespeare(args.data_dir)
+    prepare(input_path, os.path.join(args.data_dir, name), kind, args.val_fraction)
+
+
+if __name__ == "__main__":
+    run_main(main)

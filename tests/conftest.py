@@ -1,0 +1,68 @@
+"""Shared test helpers: a small corpus each test writes itself, and running the scripts."""
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WORDS = ("the king queen lord lady speak night day love death sword crown heart blood fair sweet "
+         "good my thy thou art hath doth what who where shall will come go see hear").split()
+
+
+def make_corpus(n_lines=600, seed=0):
+    """Deterministic Shakespeare-like text (~25k characters) with speakers and punctuation."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        if rng.random() < 0.15:
+            lines.append("")
+            lines.append(rng.choice(["ROMEO:", "JULIET:", "KING HENRY:", "LADY MACBETH:"]))
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 9))]
+        words[0] = words[0].capitalize()
+        lines.append(" ".join(words) + rng.choice([".", ",", "!", "?", ";"]))
+    return "\n".join(lines) + "\n"
+
+
+def run(script, *args, cwd=ROOT, timeout=600, env=None, check=False):
+    """Run one of the repository's scripts with this interpreter; return the CompletedProcess."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", WANDB_SILENT="true")
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} {' '.join(map(str, args))} exited {proc.returncode}:\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def tiny_train_args(data_dir, out_dir, **overrides):
+    """Arguments for a training run of a few seconds on the CPU."""
+    args = dict(dataset="tiny", data_dir=data_dir, out_dir=out_dir, device="cpu", compile=False,
+                n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, gradient_accumulation_steps=1,
+                max_iters=20, eval_interval=10, eval_iters=2, log_interval=1, warmup_iters=2,
+                lr_decay_iters=20, learning_rate=1e-3, dropout=0.0)
+    args.update(overrides)
+    return [f"--{k}={v}" for k, v in args.items()]
+
+
+@pytest.fixture
+def corpus_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(make_corpus(), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def char_data(tmp_path, corpus_file):
+    """A prepared character-level dataset named `tiny`; returns its data_dir (parent of tiny/)."""
+    from prepare import prepare
+
+    data_dir = tmp_path / "data"
+    prepare(str(corpus_file), str(data_dir / "tiny"), "char")
+    return data_dir

