@@ -48,7 +48,20 @@ def save(state, path):
 
 
 def load(path):
-    """Load a checkpoint dict safely (weights_only=True) onto the CPU; clear errors for bad files."""
+    """Load a checkpoint dict safely (weights_only=True) onto the CPU; clear errors for bad files.
+    nanoGPT's ckpt.pt (model_args, its own weight names) comes back in this repository's layout."""
+    ckpt = read(path)
+    if not isinstance(ckpt, dict) or "model" not in ckpt:
+        raise UserError(f"{path} is not a model checkpoint (no 'model' weights in it)")
+    if "model_args" in ckpt and "model_config" not in ckpt:
+        import convert  # only for nanoGPT's checkpoints
+
+        ckpt = convert.from_nanogpt(ckpt, path)
+    return ckpt
+
+
+def read(path):
+    """torch.load a file of tensors and plain data (weights_only=True) onto the CPU; clear errors for bad files."""
     if os.path.isdir(path):
         raise UserError(f"{path} is a directory, not a checkpoint file")
     if not os.path.isfile(path):
@@ -63,8 +76,6 @@ def load(path):
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
         raise UserError(f"checkpoint {path} is truncated or corrupt ({_first_line(e)}); "
                         f"use another checkpoint or train again") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt:
-        raise UserError(f"{path} is not a model checkpoint (no 'model' weights in it)")
     return ckpt
 
 

@@ -218,6 +218,15 @@ class GPT(nn.Module):
             loss = None
         return logits, loss
 
+    @classmethod
+    def from_pretrained(cls, name_or_path, dropout=0.0):
+        """GPT-2 weights from a Hugging Face checkpoint: gpt2, gpt2-medium, gpt2-large or gpt2-xl from
+        the local Hugging Face cache, or a directory with config.json and model.safetensors (or
+        pytorch_model.bin). No download, no `transformers`; the conversion lives in convert.py."""
+        import convert
+
+        return convert.load_hf(name_or_path, dropout)
+
     def crop_block_size(self, block_size):
         """Shrink the context, e.g. to finetune GPT-2 (block 1024) with a smaller block_size."""
         assert 0 < block_size <= self.config.block_size
