@@ -2,10 +2,14 @@
 Sample text from a trained model:
 
     python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=3
+    python sample.py --init_from=gpt2-xl --start="What is the answer to life?"
 
 The checkpoint (out_dir/best.pt, or ckpt.pt before any improvement) carries its
 tokenizer, so the text is encoded and decoded the way the training data was.
-With one sample, text is printed as it is produced.
+nanoGPT's ckpt.pt carries none: its data/<dataset>/meta.json is used when there is
+one, else GPT-2 BPE (--meta picks one). With --init_from, OpenAI's GPT-2 weights
+(from the local Hugging Face cache) or a Hugging Face GPT-2 directory sample with
+GPT-2 BPE. With one sample, text is printed as it is produced.
 """
 
 import os
@@ -17,8 +21,11 @@ import torch
 
 import checkpoint
 import configurator
+import convert
 from configurator import UserError
+from data import load_meta
 from hardware import autocast, pick_device, pick_dtype
+from model import GPT
 from tokenizer import from_meta
 
 
@@ -28,7 +35,11 @@ def _(default, help):
 
 @dataclass
 class SampleConfig:
+    init_from: str = _("resume", "resume (the checkpoint in out_dir), a GPT-2 size (gpt2, gpt2-medium, gpt2-large, "
+                                  "gpt2-xl: from the local Hugging Face cache) or a Hugging Face GPT-2 directory")
     out_dir: str = _("out", "training output directory (or a checkpoint file) to sample from")
+    meta: Optional[str] = _(None, "tokenizer for checkpoints without one (nanoGPT, Hugging Face): a meta.json "
+                                  "from prepare.py or its dataset directory")
     ckpt: str = _("best", "best (best val loss, best.pt) or latest (ckpt.pt)")
     start: str = _("\n", "prompt text, or FILE:path to read the prompt from a file")
     num_samples: int = _(10, "samples to draw (generated together as one batch)")
@@ -73,6 +84,26 @@ class StreamDecoder:
         return new
 
 
+def load_model(cfg):
+    """The model to sample from and its tokenizer's metadata."""
+    if cfg.init_from == "resume":
+        ckpt = checkpoint.load(checkpoint.find(cfg.out_dir, cfg.ckpt))
+        model, meta = checkpoint.build_model(ckpt), ckpt.get("tokenizer")
+        if meta is None and cfg.meta is None:  # a nanoGPT checkpoint
+            meta, source = convert.nanogpt_meta(ckpt)
+            print(f"note: the checkpoint records no tokenizer; using {source} (--meta picks another)", file=sys.stderr)
+    else:
+        meta = convert.pretrained_meta(cfg.init_from)
+        model = GPT.from_pretrained(cfg.init_from)
+    if cfg.meta is not None:
+        is_dir = os.path.isdir(cfg.meta)
+        named_meta = os.path.basename(cfg.meta) == "meta.json"
+        meta = load_meta(cfg.meta if is_dir else os.path.dirname(cfg.meta) or ".") if is_dir or named_meta else None
+        if meta is None:
+            raise UserError(f"--meta: {cfg.meta} is not a meta.json file or a directory holding one")
+    return model, meta
+
+
 def main(argv=None):
     cfg = configurator.parse(SampleConfig, argv, usage="python sample.py [--key=value ...]", extra_files_ok=False)
     for name in ("num_samples", "max_new_tokens"):
@@ -89,11 +120,11 @@ def main(argv=None):
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
 
-    ckpt = checkpoint.load(checkpoint.find(cfg.out_dir, cfg.ckpt))
-    model = checkpoint.build_model(ckpt)
-    if "tokenizer" not in ckpt:
-        raise UserError("the checkpoint has no tokenizer metadata; it was not written by this train.py")
-    tokenizer = from_meta(ckpt["tokenizer"])
+    model, meta = load_model(cfg)
+    tokenizer = from_meta(meta)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise UserError(f"the model has {model.config.vocab_size} tokens but the {tokenizer.kind} tokenizer has "
+                        f"{tokenizer.vocab_size}: it was trained with another one; give its meta.json with --meta")
     model.eval().to(device)
     if cfg.compile:
         model = torch.compile(model, dynamic=True)

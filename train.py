@@ -45,7 +45,9 @@ class TrainConfig:
     eval_only: bool = _(False, "evaluate once and exit")
     always_save_checkpoint: bool = _(True, "write ckpt.pt at every evaluation, not only when val loss improves")
     ckpt_interval: int = _(1000, "also write ckpt.pt every this many iterations (0: only at evals and the end)")
-    init_from: str = _("scratch", "scratch (new model) or resume (continue from out_dir/ckpt.pt)")
+    init_from: str = _("scratch", "scratch (new model), resume (continue from out_dir/ckpt.pt), or GPT-2 weights "
+                                  "to finetune: gpt2, gpt2-medium, gpt2-large, gpt2-xl (local Hugging Face cache) "
+                                  "or a Hugging Face GPT-2 directory")
     # wandb
     wandb_log: bool = _(False, "log to Weights & Biases")
     wandb_project: str = _("owt", "wandb project name")
@@ -103,7 +105,9 @@ class TrainConfig:
         if not 0 <= self.dropout < 1:
             raise UserError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.init_from not in ("scratch", "resume"):
-            raise UserError(f"init_from must be scratch or resume, got {self.init_from!r}")
+            import convert
+
+            convert.find_pretrained(self.init_from)  # GPT-2 weights: a clear error for a bad name or path
         if self.parallel not in ("ddp", "fsdp"):
             raise UserError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
         if self.gelu not in ("none", "tanh"):
@@ -233,8 +237,12 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.iter_num, self.best_val_loss, self.wandb_run_id = 0, float("inf"), None
         ckpt = checkpoint.load(os.path.join(cfg.out_dir, checkpoint.LATEST)) if cfg.init_from == "resume" else None
-        self.model_config = self._model_config(ckpt)
-        self.raw_model = GPT(self.model_config)
+        if cfg.init_from in ("scratch", "resume"):
+            self.model_config = self._model_config(ckpt)
+            self.raw_model = GPT(self.model_config)
+        else:
+            self.raw_model = self._from_pretrained()
+            self.model_config = self.raw_model.config
         if ckpt:
             checkpoint.load_weights(self.raw_model, ckpt)
         self.raw_model.to(self.device)
@@ -300,6 +308,33 @@ class Trainer:
                             f"resume on the dataset it was trained on")
         mc.dropout = cfg.dropout  # dropout may change on resume
         return mc
+
+    def _from_pretrained(self):
+        """GPT-2 weights to finetune. They fix the model (n_layer, n_head, n_embd, bias, gelu, vocab_size);
+        a smaller block_size crops the position embedding; dropout comes from the config."""
+        import convert
+
+        cfg, meta = self.cfg, self.meta
+        want = convert.pretrained_meta(cfg.init_from)
+        if (meta.get("tokenizer"), meta.get("chars")) != (want.get("tokenizer"), want.get("chars")):
+            raise UserError(f"dataset {cfg.dataset} is tokenized with {meta.get('tokenizer')}, but {cfg.init_from} "
+                            f"was trained with {want.get('tokenizer')}; prepare the data with that tokenizer "
+                            f"(for GPT-2 BPE: python prepare.py shakespeare, or prepare.py text --tokenizer gpt2)")
+        model = GPT.from_pretrained(cfg.init_from, dropout=cfg.dropout)
+        mc = model.config
+        if meta.get("vocab_size", 0) > mc.vocab_size:
+            raise UserError(f"dataset {cfg.dataset} has {meta['vocab_size']} tokens, more than {cfg.init_from}'s "
+                            f"vocab_size {mc.vocab_size}")
+        if cfg.block_size > mc.block_size:
+            raise UserError(f"block_size {cfg.block_size} is larger than {cfg.init_from}'s {mc.block_size}; "
+                            f"use --block_size={mc.block_size} or less")
+        if cfg.block_size < mc.block_size:
+            model.crop_block_size(cfg.block_size)
+        for name in ("n_layer", "n_head", "n_embd", "bias", "gelu", "vocab_size"):  # so train_config tells the truth
+            setattr(cfg, name, getattr(mc, name))
+        self.log(f"initialized from {cfg.init_from}: n_layer={mc.n_layer}, n_head={mc.n_head}, n_embd={mc.n_embd}, "
+                 f"vocab_size={mc.vocab_size}, block_size={mc.block_size}, bias={mc.bias}, gelu={mc.gelu}")
+        return model
 
     def _restore(self, ckpt):
         self.optimizer.load_state_dict(ckpt["optimizer"])

@@ -12,6 +12,8 @@ wandb_run_name = "ft-gpt2"
 
 dataset = "shakespeare"
 init_from = "gpt2"
+# the weights fix the model; GPT-2 has biases, and saying so lets --init_from=resume continue this run
+bias = True
 
 # only save checkpoints if the validation loss improves
 always_save_checkpoint = False
@@ -25,3 +27,4 @@ max_iters = 20
 # finetune at a constant, small learning rate
 learning_rate = 3e-5
 decay_lr = False
+min_lr = 3e-6  # unused without decay, but train.py checks that it is below learning_rate
