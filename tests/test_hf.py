@@ -1,0 +1,315 @@
+"""Hugging Face GPT-2 checkpoints in and out (convert.py, GPT.from_pretrained, export.py), offline, fp32.
+
+A tiny random GPT2LMHeadModel from `transformers` (a test-only dependency) stands in for
+OpenAI's weights. Its parameters are perturbed well away from their initial values (LayerNorm
+gains 1, biases 0, small matrices), so that a mistake (an untransposed square Conv1D matrix,
+a bias left out, the wrong GELU) moves the logits far more than the 1e-4 tolerance.
+"""
+
+import json
+import shutil
+from dataclasses import asdict
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+import checkpoint  # noqa: E402
+import convert  # noqa: E402
+import export  # noqa: E402
+import train  # noqa: E402
+from configurator import UserError, parse  # noqa: E402
+from conftest import ROOT, run  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from prepare import prepare  # noqa: E402
+from tokenizer import GPT2Tokenizer  # noqa: E402
+
+VOCAB = 50257
+TOL = 1e-4  # fp32; the two implementations differ in summation order (and tanh-GELU formula) only
+
+
+def perturb(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+def hf_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    args = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=VOCAB)
+    args.update(overrides)
+    return perturb(GPT2LMHeadModel(GPT2Config(**args)), seed).eval()
+
+
+def tokens(seed=0, T=64):
+    return torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def our_logits(model, idx):
+    logits, _ = model.eval()(idx, idx)  # with targets: the logits of every position
+    return logits
+
+
+@torch.no_grad()
+def hf_logits(model, idx):
+    return model.eval()(idx).logits
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A saved random GPT-2 (save_pretrained: config.json + model.safetensors) and the model itself."""
+    path = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
+    model = hf_model()
+    model.save_pretrained(path)
+    return path, model
+
+
+def copy_dir(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ---------------------------------------------------------------------- loading
+
+
+def test_from_pretrained_safetensors_matches_transformers(hf_dir):
+    path, hf = hf_dir
+    ours = GPT.from_pretrained(str(path))
+    assert ours.config == GPTConfig(block_size=64, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32,
+                                    dropout=0.0, bias=True, gelu="tanh")
+    idx = tokens()
+    expected = hf_logits(hf, idx)
+    assert expected.std() > 1.0  # logits large enough for 1e-4 to be a real test
+    torch.testing.assert_close(our_logits(ours, idx), expected, atol=TOL, rtol=0)
+
+
+def test_from_pretrained_pytorch_model_bin_in_openai_layout(tmp_path, hf_dir):
+    """pytorch_model.bin as in OpenAI's original gpt2 upload: GPT2Model keys (no `transformer.`),
+    causal-mask buffers, no lm_head. transformers 5 no longer writes .bin files, so write it here."""
+    path, hf = hf_dir
+    out = tmp_path / "bin"
+    out.mkdir()
+    shutil.copy(path / "config.json", out / "config.json")
+    state = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    for i in range(2):
+        state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(64, 64)).view(1, 1, 64, 64)
+        state[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    torch.save(state, out / "pytorch_model.bin")
+    ours = GPT.from_pretrained(str(out))
+    idx = tokens(1)
+    torch.testing.assert_close(our_logits(ours, idx), hf_logits(hf, idx), atol=TOL, rtol=0)
+
+
+def test_gpt2_name_loads_from_the_local_hub_cache(tmp_path, hf_dir, monkeypatch):
+    path, hf = hf_dir
+    cache = tmp_path / "hub"
+    snap = cache / "models--openai-community--gpt2" / "snapshots" / "0123abcd"
+    copy_dir(path, snap)
+    (cache / "models--openai-community--gpt2" / "refs").mkdir()
+    (cache / "models--openai-community--gpt2" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    ours = GPT.from_pretrained("gpt2")
+    direct = GPT.from_pretrained(str(path))
+    for k, v in direct.state_dict().items():
+        assert torch.equal(ours.state_dict()[k], v), k
+    with pytest.raises(UserError, match="gpt2-xl is not in the local Hugging Face cache"):
+        GPT.from_pretrained("gpt2-xl")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"activation_function": "relu"}, "activation_function is 'relu'"),
+    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ({"scale_attn_weights": False}, "scale_attn_weights"),
+    ({"n_inner": 64}, "64 wide"),
+    ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon"),
+    ({"add_cross_attention": True}, "add_cross_attention"),
+    ({"model_type": "llama"}, "model_type is 'llama'"),
+    ({"n_head": 3}, "divisible by n_head"),
+])
+def test_configs_gpt2_cannot_compute_are_refused(tmp_path, hf_dir, change, message):
+    path = copy_dir(hf_dir[0], tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config.update(change)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=message):
+        GPT.from_pretrained(str(path))
+
+
+def test_exact_gelu_config_loads_as_exact_gelu(tmp_path):
+    hf = hf_model(seed=3, activation_function="gelu")
+    hf.save_pretrained(tmp_path / "m")
+    ours = GPT.from_pretrained(str(tmp_path / "m"))
+    assert ours.config.gelu == "none"
+    idx = tokens(3)
+    torch.testing.assert_close(our_logits(ours, idx), hf_logits(hf, idx), atol=TOL, rtol=0)
+
+
+def test_untied_output_layer_is_refused(tmp_path):
+    hf_model(seed=4, tie_word_embeddings=False).save_pretrained(tmp_path / "m")
+    with pytest.raises(UserError, match="lm_head.*different from its token embedding"):
+        GPT.from_pretrained(str(tmp_path / "m"))
+
+
+def test_malformed_directories_and_names(tmp_path, hf_dir):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UserError, match="has no config.json"):
+        GPT.from_pretrained(str(empty))
+    bad_json = copy_dir(hf_dir[0], tmp_path / "bad_json")
+    (bad_json / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match="config.json is not valid JSON"):
+        GPT.from_pretrained(str(bad_json))
+    no_weights = copy_dir(hf_dir[0], tmp_path / "no_weights")
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(UserError, match="has no weights"):
+        GPT.from_pretrained(str(no_weights))
+    corrupt = copy_dir(hf_dir[0], tmp_path / "corrupt")
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(UserError, match="not a readable safetensors file"):
+        GPT.from_pretrained(str(corrupt))
+    with pytest.raises(UserError, match="is a file"):
+        GPT.from_pretrained(str(hf_dir[0] / "config.json"))
+    with pytest.raises(UserError, match="'gpt3' is neither a GPT-2 size"):
+        GPT.from_pretrained("gpt3")
+
+
+def test_bad_init_from_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for script, arg in (("sample.py", tmp_path / "empty"), ("train.py", "gpt3")):
+        proc = run(script, f"--init_from={arg}", "--device=cpu")
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+
+
+# ---------------------------------------------------------------------- export
+
+
+def our_checkpoint(out_dir, gelu="tanh", bias=True, seed=5):
+    """A random model of ours saved as out_dir/best.pt; returns the model."""
+    torch.manual_seed(seed)
+    model = perturb(GPT(GPTConfig(block_size=48, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, bias=bias,
+                                  gelu=gelu, dropout=0.1)), seed).eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint.save({"model": model.state_dict(), "model_config": asdict(model.config),
+                     "tokenizer": {"tokenizer": "gpt2", "vocab_size": VOCAB}, "iter_num": 7},
+                    out_dir / checkpoint.BEST)
+    return model
+
+
+@pytest.mark.parametrize("gelu, bias", [("tanh", True), ("none", False)])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, gelu, bias):
+    ours = our_checkpoint(tmp_path / "out", gelu, bias)
+    dest = tmp_path / "hf"
+    export.main([f"--out_dir={tmp_path / 'out'}", "--to=hf", str(dest)])
+    config = json.loads((dest / "config.json").read_text())
+    assert config["activation_function"] == {"tanh": "gelu_new", "none": "gelu"}[gelu]
+    hf, info = GPT2LMHeadModel.from_pretrained(dest, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
+    idx = tokens(5, T=48)
+    expected = our_logits(ours, idx)
+    assert expected.std() > 1.0
+    torch.testing.assert_close(hf_logits(hf, idx), expected, atol=TOL, rtol=0)
+
+    back = GPT.from_pretrained(str(dest)).state_dict()
+    if bias:  # export -> import gives back every tensor exactly
+        assert back.keys() == ours.state_dict().keys()
+        for k, v in ours.state_dict().items():
+            assert torch.equal(back[k], v), k
+    else:  # bias=False was written as zero biases: the same weights, zeros where there were no biases
+        for k, v in back.items():
+            assert torch.equal(v, ours.state_dict()[k]) if k in ours.state_dict() else not v.any(), k
+
+
+def test_export_refuses_what_gpt2_cannot_express_and_overwrites_nothing(tmp_path):
+    our_checkpoint(tmp_path / "out")
+    ckpt = checkpoint.load(tmp_path / "out" / checkpoint.BEST)
+    ckpt["model_config"]["n_kv_head"] = 1  # a field GPT-2's config.json has no way to say
+    checkpoint.save(ckpt, tmp_path / "out" / checkpoint.BEST)
+    with pytest.raises(UserError, match="cannot express n_kv_head=1"):
+        export.main([f"--out_dir={tmp_path / 'out'}", str(tmp_path / "new")])
+    assert not (tmp_path / "new").exists()
+
+    our_checkpoint(tmp_path / "out")
+    dest = tmp_path / "taken"
+    dest.mkdir()
+    (dest / "config.json").write_text("mine")
+    proc = run("export.py", f"--out_dir={tmp_path / 'out'}", str(dest))
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "not an empty directory" in proc.stderr
+    assert (dest / "config.json").read_text() == "mine"
+    with pytest.raises(UserError, match="no checkpoint in"):
+        export.main([f"--out_dir={tmp_path / 'missing'}", str(tmp_path / "x")])
+    with pytest.raises(UserError, match="give one destination directory"):
+        export.main([f"--out_dir={tmp_path / 'out'}"])
+    with pytest.raises(SystemExit) as exit_:
+        export.main(["--help"])
+    assert exit_.value.code == 0
+
+
+# ---------------------------------------------------------------------- sample.py and train.py
+
+
+def test_sample_init_from_hf_directory_uses_gpt2_bpe(hf_dir):
+    path, _ = hf_dir
+    prompt, n = "The king said", 12
+    tok = GPT2Tokenizer()
+    model = GPT.from_pretrained(str(path)).eval()
+    ids = torch.tensor([tok.encode(prompt)])
+    out = model.generate(ids, n, temperature=0, stop_tokens=[tok.eot_token])[0, ids.size(1):].tolist()
+    if tok.eot_token in out:
+        out = out[:out.index(tok.eot_token)]
+    expected = prompt + tok.decode(out)
+    proc = run("sample.py", f"--init_from={path}", f"--start={prompt}", f"--max_new_tokens={n}", "--temperature=0",
+               "--num_samples=2", "--device=cpu", check=True)
+    assert proc.stdout == f"{expected}\n---------------\n" * 2
+
+
+@pytest.fixture
+def bpe_data(tmp_path, corpus_file):
+    """A small Shakespeare-like dataset in GPT-2 BPE named `shakespeare`; returns its data_dir."""
+    prepare(str(corpus_file), str(tmp_path / "data" / "shakespeare"), "gpt2")
+    return tmp_path / "data"
+
+
+def finetune_args(hf_path, data_dir, out_dir, **overrides):
+    args = dict(init_from=hf_path, data_dir=data_dir, out_dir=out_dir, device="cpu", compile=False, block_size=32,
+                batch_size=2, gradient_accumulation_steps=1, max_iters=4, eval_interval=2, eval_iters=2,
+                log_interval=1)
+    args.update(overrides)
+    return [str(ROOT / "config" / "finetune_shakespeare.py")] + [f"--{k}={v}" for k, v in args.items()]
+
+
+def test_init_from_hf_directory_crops_block_size_and_keeps_the_weights(tmp_path, hf_dir, bpe_data):
+    path, hf = hf_dir
+    cfg = parse(train.TrainConfig, finetune_args(path, bpe_data, tmp_path / "out", dropout=0.1))
+    cfg.validate()
+    model = train.Trainer(cfg).raw_model
+    assert model.config == GPTConfig(block_size=32, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32,
+                                     dropout=0.1, bias=True, gelu="tanh")
+    hf_state = convert.from_gpt2_layout(hf.state_dict(), conv1d=True, source="hf")
+    hf_state["pos_emb.weight"] = hf_state["pos_emb.weight"][:32]
+    for k, v in model.state_dict().items():
+        if k != "lm_head.weight":
+            assert torch.equal(v, hf_state[k]), k
+
+
+def test_train_finetune_shakespeare_from_hf_directory(tmp_path, hf_dir, bpe_data):
+    out = tmp_path / "out"
+    proc = run("train.py", *finetune_args(hf_dir[0], bpe_data, out), check=True)
+    assert f"initialized from {hf_dir[0]}" in proc.stdout
+    assert "iter 4: loss" in proc.stdout and "step 4: train loss" in proc.stdout
+    ckpt = checkpoint.load(out / checkpoint.LATEST)
+    assert ckpt["iter_num"] == 4 and ckpt["model_config"]["gelu"] == "tanh" and ckpt["model_config"]["block_size"] == 32
+    assert ckpt["tokenizer"]["tokenizer"] == "gpt2"
+
+
+def test_init_from_refuses_a_character_dataset(tmp_path, hf_dir, char_data):
+    cfg = parse(train.TrainConfig, finetune_args(hf_dir[0], char_data, tmp_path / "out", dataset="tiny"))
+    with pytest.raises(UserError, match="tokenized with char"):
+        train.Trainer(cfg)
