@@ -12,6 +12,7 @@ pickled object that would run code) is refused.
 
 import os
 import pickle
+import re
 import zipfile
 from dataclasses import fields
 
@@ -29,22 +30,37 @@ def save(state, path):
     fsynced, then renamed over the old file. A process killed at any instant leaves either
     the old complete checkpoint or the new complete one, never a half-written file."""
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    tmp = os.path.join(directory, f"{_temp_prefix(path)}{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        # make the rename itself durable
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as e:  # a full disk, a quota, a vanished directory: the old checkpoint is still whole
+        raise UserError(f"cannot write checkpoint {path} ({e.strerror or e}); the previous one is intact; "
+                        f"free some space (or fix --out_dir) and resume with --init_from=resume") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    # make the rename itself durable
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+
+
+def _temp_prefix(path):
+    return f".{os.path.basename(path)}.tmp."
+
+
+def remove_stale_temps(out_dir):
+    """Delete temporary files that a killed process left half-written (they can be gigabytes each)."""
+    prefixes = tuple(_temp_prefix(which) for which in (LATEST, BEST))
+    for name in os.listdir(out_dir):
+        if name.startswith(prefixes):
+            os.remove(os.path.join(out_dir, name))
 
 
 def load(path):
@@ -66,17 +82,27 @@ def read(path):
         raise UserError(f"{path} is a directory, not a checkpoint file")
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} not found; train first (python train.py ...) or check --out_dir")
+    corrupt = f"checkpoint {path} is truncated or corrupt"
+    # torch.save has written zip files since PyTorch 1.6; anything else is damaged or not a checkpoint
+    if not zipfile.is_zipfile(path):
+        raise UserError(f"{corrupt} (not a PyTorch zip archive); use another checkpoint or train again")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if "weights_only" in str(e) or "Unsupported" in str(e):
-            raise UserError(f"refusing to load {path}: it holds Python objects beyond tensors and plain data, "
-                            f"which could run code when loaded; only load checkpoints you trust") from None
-        raise UserError(f"checkpoint {path} is corrupt ({_first_line(e)}); use another checkpoint") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
-        raise UserError(f"checkpoint {path} is truncated or corrupt ({_first_line(e)}); "
-                        f"use another checkpoint or train again") from None
+        if any(sign in str(e) for sign in _UNSAFE_SIGNS):
+            named = re.search(r"GLOBAL (\S+)", str(e))  # the function or class it asks for, e.g. posix.system
+            raise UserError(f"refusing to load {path}: it holds Python objects beyond tensors and plain data"
+                            f"{f' ({named[1]})' if named else ''}, which could run code when loaded; only load "
+                            f"checkpoints you trust") from None
+        # (torch's own message suggests weights_only=False: not advice to pass on for a damaged file)
+        raise UserError(f"{corrupt} (its data cannot be unpickled); use another checkpoint or train again") from None
+    except Exception as e:  # a damaged file fails in many ways inside torch.load
+        raise UserError(f"{corrupt} ({_first_line(e)}); use another checkpoint or train again") from None
     return ckpt
+
+
+# what the weights_only unpickler says when a file asks it to build an object or call a function
+_UNSAFE_SIGNS = ("GLOBAL", "unrecognized function", "Can only create new object", "Can only build")
 
 
 def _first_line(e):

@@ -276,6 +276,7 @@ class Trainer:
             with open(probe, "w"):
                 pass
             os.remove(probe)
+            checkpoint.remove_stale_temps(out_dir)  # left by a process killed while saving
         except OSError as e:
             raise UserError(f"out_dir {out_dir} is not writable ({e.strerror}); pick another --out_dir") from None
 
@@ -432,8 +433,13 @@ class Trainer:
 
     def save(self, which):
         """Write ckpt.pt (full state) or best.pt (weights); every rank must call it (state is gathered)."""
-        self.check_finite()
+        self.check_finite(sync=True)
         model_state = self.model_state_dict()
+        # a finite loss can still come with an overflowing gradient that turned the weights into NaN
+        if not all(torch.isfinite(v).all() for v in model_state.values() if v.is_floating_point()):
+            raise UserError(f"the weights became NaN or infinite by iteration {self.iter_num}; stopping without "
+                            f"saving, the last good checkpoint in {self.cfg.out_dir} is untouched (try a lower "
+                            f"learning_rate, grad_clip, or dtype=bfloat16)")
         state = {
             "model": model_state,
             "model_config": asdict(self.model_config),
@@ -455,11 +461,17 @@ class Trainer:
             checkpoint.save(state, os.path.join(self.cfg.out_dir, which))
         self.saved_at[which] = self.iter_num
 
-    def check_finite(self):
-        """Stop (without saving) once a non-finite loss has been seen."""
-        bad = int(self.nonfinite_at.item()) if hasattr(self, "nonfinite_at") else -1
+    def check_finite(self, sync=False):
+        """Stop (without saving) once a non-finite loss has been seen; sync=True (every rank calls it):
+        seen on any rank."""
+        if not hasattr(self, "nonfinite_at"):
+            return
+        bad = self.nonfinite_at.clone()
+        if sync and self.ddp.enabled:
+            all_reduce(bad, op="max")
+        bad = int(bad.item())
         if bad >= 0:
-            raise UserError(f"loss became NaN or infinite at iteration {bad}; stopping without saving, the last "
+            raise UserError(f"the loss became NaN or infinite in iteration {bad}; stopping without saving, the last "
                             f"good checkpoint in {self.cfg.out_dir} is untouched (try a lower learning_rate, "
                             f"grad_clip, or dtype=bfloat16)")
 
@@ -488,7 +500,7 @@ class Trainer:
                 group["lr"] = lr
 
             if self.iter_num % cfg.eval_interval == 0 or self.iter_num >= cfg.max_iters or cfg.eval_only:
-                self.check_finite()
+                self.check_finite(sync=True)
                 losses = self.estimate_loss()
                 self.log(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
                 if not math.isfinite(losses["val"]):
@@ -503,7 +515,9 @@ class Trainer:
                     self.best_val_loss = losses["val"]
                     if self.iter_num > 0:
                         self.save(checkpoint.BEST)
-                if self.iter_num > 0 and (improved or cfg.always_save_checkpoint):
+                # (again when improved, even if just saved: ckpt.pt keeps best_val_loss for a resumed run)
+                if self.iter_num > 0 and (improved or (cfg.always_save_checkpoint
+                                                       and self.saved_at.get(checkpoint.LATEST) != self.iter_num)):
                     self.save(checkpoint.LATEST)
                 t0 = time.time()  # evaluation time is not training time
             if self.iter_num >= cfg.max_iters:
@@ -518,7 +532,8 @@ class Trainer:
                         loss = loss / self.accum  # the mean over micro-steps; DDP averages over ranks
                     if guard_nan:
                         bad = ~torch.isfinite(loss.detach())
-                        self.nonfinite_at = torch.where(bad & (self.nonfinite_at < 0), self.iter_num,
+                        # numbered as the `iter N:` log line of this step
+                        self.nonfinite_at = torch.where(bad & (self.nonfinite_at < 0), self.iter_num + 1,
                                                         self.nonfinite_at)
                     x, y = self.next_batch()  # fetch the next batch while the device works
                     self.scaler.scale(loss).backward()
@@ -546,10 +561,13 @@ class Trainer:
                 self.log(line)
                 if wandb_run:
                     wandb_run.log({"iter": self.iter_num, "train/loss_step": lossf, "lr": lr}, step=self.iter_num)
-            if cfg.ckpt_interval and self.iter_num % cfg.ckpt_interval == 0 and self.iter_num < cfg.max_iters:
+            # saving never waits for an evaluation: every ckpt_interval steps, on a signal, and right after
+            # the last step (before the final evaluation, which could fail)
+            stopping = stop.requested(ddp, self.device)
+            if stopping or self.iter_num == cfg.max_iters or (cfg.ckpt_interval
+                                                             and self.iter_num % cfg.ckpt_interval == 0):
                 self.save(checkpoint.LATEST)
-            if stop.requested(ddp, self.device):
-                self.save(checkpoint.LATEST)
+            if stopping:
                 self.log(f"stopped by {stop.name} at iteration {self.iter_num}; checkpoint saved in "
                          f"{cfg.out_dir}/{checkpoint.LATEST}. Resume with the same command and --init_from=resume")
                 break
@@ -573,10 +591,12 @@ class Trainer:
     def _start_wandb(self):
         import wandb
 
-        if self.wandb_run_id is None:
-            self.wandb_run_id = wandb.util.generate_id()
-        return wandb.init(project=self.cfg.wandb_project, name=self.cfg.wandb_run_name, id=self.wandb_run_id,
-                          resume="allow", config=asdict(self.cfg))
+        # a resumed run passes the id from its checkpoint and continues that wandb run; a new run gets
+        # a fresh id from wandb, which goes into every checkpoint from now on
+        run = wandb.init(project=self.cfg.wandb_project, name=self.cfg.wandb_run_name, id=self.wandb_run_id,
+                         resume="allow", config=asdict(self.cfg))
+        self.wandb_run_id = run.id
+        return run
 
 
 class _FSDPNoSync:
@@ -593,7 +613,8 @@ class _FSDPNoSync:
 
 
 class StopFlag:
-    """SIGINT / SIGTERM ask the loop to finish its step, save and exit 0."""
+    """SIGINT / SIGTERM ask the loop to finish its step, save and exit 0; a second one acts as usual
+    (Ctrl-C twice interrupts at once, and the atomic save leaves the previous checkpoint whole)."""
 
     def __init__(self):
         self.name = None
@@ -606,6 +627,7 @@ class StopFlag:
 
     def _handle(self, signum, frame):
         self.name = signal.Signals(signum).name
+        self.restore()
 
     def requested(self, ddp, device):
         if not ddp.enabled:
@@ -617,7 +639,8 @@ class StopFlag:
 
     def restore(self):
         for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(sig, handler)
 
 
 def main(argv=None):

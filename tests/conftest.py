@@ -66,3 +66,29 @@ def char_data(tmp_path, corpus_file):
     data_dir = tmp_path / "data"
     prepare(str(corpus_file), str(data_dir / "tiny"), "char")
     return data_dir
+
+
+def run_in_process(capsys, main, *args):
+    """Run a script's main(argv) in this process as its `__main__` block does (under configurator.run_main);
+    return (returncode, stdout, stderr) like run(). Much faster than a subprocess; an exception that
+    run_main does not turn into `error: ...` fails the test, as a traceback would show."""
+    import configurator
+
+    capsys.readouterr()
+    try:
+        configurator.run_main(lambda: main([str(a) for a in args]))
+        returncode = 0
+    except SystemExit as e:
+        returncode = e.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, returncode, out, err)
+
+
+def assert_one_error_line(proc, *words):
+    """Bad input: exit status 2, exactly one non-empty stderr line `error: ...` containing words, no traceback."""
+    assert proc.returncode == 2, f"exit status {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]

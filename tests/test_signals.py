@@ -1,0 +1,118 @@
+"""Signals: SIGINT/SIGTERM save and exit 0; SIGKILL in the middle of a save leaves a loadable checkpoint."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train
+from conftest import ROOT, run, tiny_train_args
+
+
+def start(script, *args):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_line(proc, pattern, timeout=120):
+    """Read proc's stdout until a line matches pattern; return everything read."""
+    seen, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if re.search(pattern, line):
+            return "".join(seen)
+    proc.kill()
+    raise AssertionError(f"no line matching {pattern!r}; got:\n{''.join(seen)}\n{proc.stderr.read()}")
+
+
+def wait_for_file(path, proc, timeout=120):
+    deadline = time.time() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"{path} never appeared:\n{proc.stdout.read()}\n{proc.stderr.read()}")
+        time.sleep(0.05)
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_and_resumes_at_the_right_iteration(tmp_path, char_data, sig):
+    out = tmp_path / "out"
+
+    def args(**kw):
+        return tiny_train_args(char_data, out, eval_interval=10**9, ckpt_interval=0, warmup_iters=2,
+                               lr_decay_iters=1000, dropout=0.1, **kw)
+
+    proc = start("train.py", *args(max_iters=10**6))
+    before = wait_for_line(proc, r"^iter 3: loss")
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    stdout = before + stdout
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    m = re.search(rf"stopped by {sig.name} at iteration (\d+); checkpoint saved in (\S+)\. "
+                  rf"Resume with the same command and --init_from=resume", stdout)
+    assert m, stdout[-2000:]
+    k = int(m[1])
+    assert m[2] == f"{out}/ckpt.pt"
+    assert re.findall(r"^iter (\d+):", stdout, re.M)[-1] == str(k)  # the step in progress was finished
+    assert load(out / "ckpt.pt")["iter_num"] == k
+
+    resumed = run("train.py", *args(max_iters=k + 3, init_from="resume"), check=True)
+    assert f"resuming from {out}/ckpt.pt at iteration {k}" in resumed.stdout
+    assert re.findall(r"^iter (\d+):", resumed.stdout, re.M) == [str(k + 1), str(k + 2), str(k + 3)]
+    if sig == signal.SIGINT:
+        return
+    # and it continues exactly where it stopped: the same weights as a run of k + 3 iterations straight
+    run("train.py", *tiny_train_args(char_data, tmp_path / "straight", eval_interval=10**9, ckpt_interval=0,
+                                     warmup_iters=2, lr_decay_iters=1000, dropout=0.1, max_iters=k + 3), check=True)
+    a, b = load(out / "ckpt.pt")["model"], load(tmp_path / "straight" / "ckpt.pt")["model"]
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_a_second_signal_acts_as_usual():
+    """Ctrl-C twice interrupts at once (the atomic save keeps the previous checkpoint whole)."""
+    calls = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    try:
+        stop = train.StopFlag()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.name == "SIGTERM" and calls == []  # the first one only asks the loop to stop
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert calls == [signal.SIGTERM]  # the second one goes to the handler that was there before
+        stop.restore()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_sigkill_while_saving_leaves_a_checkpoint_that_loads_and_resumes(tmp_path, char_data):
+    out, flag = tmp_path / "out", tmp_path / "paused"
+    args = tiny_train_args(char_data, out, max_iters=20, ckpt_interval=4, eval_interval=10**9)
+    # save 1 writes ckpt.pt at iteration 4; save 2 (iteration 8) stops half way through its temporary file
+    proc = start("tests/faulty_train.py", "pause_in_save=2", f"pause_flag={flag}", "--", *args)
+    wait_for_file(flag, proc)
+    temporary = [p for p in out.iterdir() if p.name != "ckpt.pt"]
+    assert len(temporary) == 1 and temporary[0].stat().st_size > 0  # killed with a half-written file there
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+    ckpt = load(out / "ckpt.pt")  # the previous checkpoint, complete
+    assert ckpt["iter_num"] == 4
+    resumed = run("train.py", *tiny_train_args(char_data, out, max_iters=6, ckpt_interval=4, eval_interval=10**9,
+                                                init_from="resume"), check=True)
+    assert f"resuming from {out}/ckpt.pt at iteration 4" in resumed.stdout
+    assert load(out / "ckpt.pt")["iter_num"] == 6
+    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "ckpt.pt"]  # the stale temporary file is gone
