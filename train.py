@@ -150,7 +150,13 @@ def setup_distributed(device_name):
 
     rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     device = pick_device(device_name)
+    if device == "mps":
+        raise UserError("torchrun on mps is not supported (no collective backend for it); train in one process, "
+                        "or add --device=cpu")
     if device.startswith("cuda"):
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"process {local_rank} on this node has no GPU of its own ({torch.cuda.device_count()} "
+                            f"GPUs here); start at most that many with torchrun --nproc_per_node")
         device = f"cuda:{local_rank}"  # one process per GPU
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -158,6 +164,18 @@ def setup_distributed(device_name):
         backend = "gloo"
     dist.init_process_group(backend=backend, device_id=torch.device(device) if backend == "nccl" else None)
     return Dist(True, rank, local_rank, world), device
+
+
+def teardown_distributed(finished):
+    """Leave the process group, if any. After a normal end, first wait until every rank is done: gloo
+    aborts a process whose peer hangs up while it is still exchanging data. After an error, leave at
+    once (the other ranks then fail on their next collective, or torchrun stops them)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if finished:
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 def all_reduce(tensor, op="sum"):
@@ -260,6 +278,10 @@ class Trainer:
         np.random.seed(cfg.seed + self.ddp.rank)
         if ckpt:
             self._restore(ckpt)
+        starts = gather_objects(self.iter_num, self.ddp)
+        if len(set(starts)) > 1:
+            raise UserError(f"the processes resumed from different checkpoints (iterations {starts}); out_dir must "
+                            f"be one shared directory, or hold the same {checkpoint.LATEST}, on every node")
         self.model = self._wrap(self.raw_model)
 
     # -- setup helpers
@@ -338,7 +360,7 @@ class Trainer:
         return model
 
     def _restore(self, ckpt):
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.load_optimizer_state_dict(ckpt["optimizer"])
         self.iter_num = ckpt["iter_num"]
         self.best_val_loss = ckpt.get("best_val_loss", float("inf"))
         self.wandb_run_id = ckpt.get("wandb_run_id")
@@ -398,7 +420,8 @@ class Trainer:
     @torch.no_grad()
     def estimate_loss(self):
         """Mean loss over eval_iters batches of each split, split over the ranks and averaged.
-        The batches come from a fixed seed, so successive evaluations compare like with like."""
+        The batches come from a fixed seed, so successive evaluations compare like with like.
+        Every rank evaluates the same number of batches (an FSDP forward is a collective), rounded up."""
         cfg = self.cfg
         self.model.eval()
         out = {}
@@ -406,7 +429,7 @@ class Trainer:
             sampler = BatchSampler(data, cfg.batch_size, cfg.block_size,
                                    seed=cfg.seed + 7919 * (i + 1) + self.ddp.rank, device=self.device)
             totals = torch.zeros(2, device=self.device, dtype=torch.float64)
-            for _ in range(self.ddp.rank, cfg.eval_iters, self.ddp.world_size):
+            for _ in range(math.ceil(cfg.eval_iters / self.ddp.world_size)):
                 x, y = sampler.next()
                 with self.ctx:
                     _, loss = self.model(x, y)
@@ -416,20 +439,25 @@ class Trainer:
         self.model.train()
         return out
 
+    # Checkpoints hold full (unsharded) state on the CPU, the optimizer's keyed by parameter name rather
+    # than position: a checkpoint written by any number of processes, with DDP or FSDP, resumes under
+    # any other and loads in a single-process sample.py. With several processes only rank 0 gets the
+    # state (the others get {}); every rank must call these, as FSDP gathers the shards.
     def model_state_dict(self):
-        if self.cfg.parallel == "fsdp" and self.ddp.enabled:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            return get_model_state_dict(self.raw_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return self.raw_model.state_dict()
+        return get_model_state_dict(self.raw_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def optimizer_state_dict(self):
-        if self.cfg.parallel == "fsdp" and self.ddp.enabled:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-            return get_optimizer_state_dict(self.raw_model, self.optimizer,
-                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return self.optimizer.state_dict()
+        return get_optimizer_state_dict(self.raw_model, self.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state_dict(self, state):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.raw_model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
 
     def save(self, which):
         """Write ckpt.pt (full state) or best.pt (weights); every rank must call it (state is gathered)."""
@@ -554,8 +582,7 @@ class Trainer:
                 line = f"iter {self.iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, " \
                        f"tok/s {tokens_per_iter / dt:,.0f}"
                 if flops_peak and local_iter >= 5:  # skip the first iterations (compilation, warm-up)
-                    mfu = self.raw_model.estimate_mfu(cfg.batch_size * cfg.gradient_accumulation_steps, dt,
-                                                      flops_peak)
+                    mfu = self.raw_model.estimate_mfu(cfg.batch_size * self.accum, dt, flops_peak)  # per device
                     running_mfu = mfu if running_mfu < 0 else 0.9 * running_mfu + 0.1 * mfu
                     line += f", mfu {running_mfu * 100:.2f}%"
                 self.log(line)
@@ -586,7 +613,7 @@ class Trainer:
             return nullcontext()
         if self.cfg.parallel == "fsdp":
             return _FSDPNoSync(self.raw_model)
-        return self.model.no_sync() if hasattr(self.model, "no_sync") else self.model._orig_mod.no_sync()
+        return self.model.no_sync()  # a compiled model forwards this to the DDP module it wraps
 
     def _start_wandb(self):
         import wandb
@@ -646,14 +673,12 @@ class StopFlag:
 def main(argv=None):
     cfg = configurator.parse(TrainConfig, argv, usage="python train.py [config/FILE.py ...] [--key=value ...]")
     cfg.validate()
-    trainer = Trainer(cfg)
+    finished = False
     try:
-        trainer.train()
+        Trainer(cfg).train()
+        finished = True
     finally:
-        if trainer.ddp.enabled:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+        teardown_distributed(finished)
 
 
 if __name__ == "__main__":

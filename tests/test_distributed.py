@@ -1,0 +1,178 @@
+"""Data-parallel training under torchrun: 2 CPU processes over gloo, a tiny model, a few steps.
+
+The runs go through tests/dist_worker.py, which is train.py with instruments: each rank reports the
+batches it trained on, its val losses, its gradient all-reduces and the files it wrote; with
+SHARED_BATCHES=1 the ranks split one global stream of micro-batches, so a 2-process run must
+reproduce a single-process run that accumulates the same global batch.
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, make_corpus, run, tiny_train_args
+
+WORKER = "tests/dist_worker.py"
+TOL = 1e-6  # 2 processes sum the same gradients in another order than 1 process: float rounding only
+
+
+def train_args(data_dir, out_dir, **overrides):
+    """4 global micro-batches per step (2 per rank), clipping active, lr high enough for visible steps."""
+    settings = dict(gradient_accumulation_steps=4, learning_rate=1e-2, grad_clip=0.5, eval_interval=1000,
+                    lr_decay_iters=20, ckpt_interval=0)
+    settings.update(overrides)
+    return tiny_train_args(data_dir, out_dir, **settings)
+
+
+def worker_env(report_dir, **extra):
+    # one thread per process, like torchrun: the machine's cores are shared by the test runs
+    return {"REPORT_DIR": str(report_dir), "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in extra.items()}}
+
+
+def torchrun(args, report_dir, nproc=2, timeout=300, **env):
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", **worker_env(report_dir, **env))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={nproc}", WORKER, *args],
+                          cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc):
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def report(report_dir, rank):
+    return json.loads((report_dir / f"rank{rank}.json").read_text())
+
+
+def ckpt(out_dir):
+    return torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)
+
+
+def max_weight_diff(a, b):
+    assert a["model"].keys() == b["model"].keys()
+    return max((a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"])
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from prepare import prepare
+
+    root = tmp_path_factory.mktemp("dist")
+    (root / "corpus.txt").write_text(make_corpus(), encoding="utf-8")
+    prepare(str(root / "corpus.txt"), str(root / "data" / "tiny"), "char")
+    return root / "data"
+
+
+@pytest.fixture(scope="module")
+def single(data_dir, tmp_path_factory):
+    """single(n): (checkpoint, rank-0 report) of a 1-process run of n steps on the shared batch stream."""
+    done = {}
+
+    def get(max_iters):
+        if max_iters not in done:
+            root = tmp_path_factory.mktemp(f"single{max_iters}")
+            run(WORKER, *train_args(data_dir, root / "out", max_iters=max_iters),
+                env=worker_env(root / "report", SHARED_BATCHES=1), check=True)
+            done[max_iters] = ckpt(root / "out"), report(root / "report", 0)
+        return done[max_iters]
+
+    return get
+
+
+def check_one_step_equals_single_process(out, rep, single):
+    """After one optimizer step on 2 ranks, the state of 1 process accumulating the same 4 micro-batches."""
+    ref_ckpt, ref = single(1)
+    ranks = [report(rep, 0), report(rep, 1)]
+    # rank 0 trained on the first 2 of the 4 global micro-batches, rank 1 on the last 2
+    assert ranks[0]["batches"][:2] == ref["batches"][:2] and ranks[1]["batches"][:2] == ref["batches"][2:4]
+    # the gradient that was clipped is the same mean over 4 micro-batches (scale included: Adam hides it)
+    assert ref["grad_norms"][0] > 0.5  # the clipping was active
+    for r in ranks:
+        assert math.isclose(r["grad_norms"][0], ref["grad_norms"][0], rel_tol=TOL)
+    state = ckpt(out)
+    assert state["iter_num"] == 1
+    assert max_weight_diff(state, ref_ckpt) < TOL
+
+
+def check_resumed_at(proc, out, start, end, single):
+    """The run resumed from out/ckpt.pt at iteration start and trained on to end as if never stopped."""
+    assert f"resuming from {out}/ckpt.pt at iteration {start}" in proc.stdout
+    assert re.findall(r"^iter (\d+):", proc.stdout, re.M) == [str(i) for i in range(start + 1, end + 1)]
+    assert ckpt(out)["iter_num"] == end
+    # the same data stream and Adam's moments carried on: the uninterrupted run's weights
+    assert max_weight_diff(ckpt(out), single(end)[0]) < TOL
+
+
+def test_ddp_step_equals_single_process_sigterm_on_one_rank_stops_both_and_resume_continues(
+        tmp_path, data_dir, single):
+    out = tmp_path / "out"
+    # rank 1 gets a SIGTERM while it fetches the first batch; both ranks stop after that step
+    proc = ok(torchrun(train_args(data_dir, out, max_iters=100), tmp_path / "r1", SHARED_BATCHES=1,
+                       SIGTERM_RANK=1, SIGTERM_ITER=0))
+    assert "(2 process(es) x 2 micro-steps x 4 x 32)" in proc.stdout
+    assert "stopped by a signal on another rank at iteration 1" in proc.stdout
+    assert report(tmp_path / "r1", 1)["iter_num"] == 1
+    check_one_step_equals_single_process(out, tmp_path / "r1", single)
+
+    proc = ok(torchrun(train_args(data_dir, out, max_iters=4, init_from="resume"), tmp_path / "r2",
+                       SHARED_BATCHES=1))
+    check_resumed_at(proc, out, 1, 4, single)
+
+
+def test_fsdp_step_equals_single_process_checkpoint_samples_in_one_process_and_resumes(
+        tmp_path, data_dir, single):
+    out = tmp_path / "out"
+    ok(torchrun(train_args(data_dir, out, max_iters=1, parallel="fsdp"), tmp_path / "r1", SHARED_BATCHES=1))
+    check_one_step_equals_single_process(out, tmp_path / "r1", single)
+    state = ckpt(out)
+    assert state["model"]["tok_emb.weight"].shape == (state["model_config"]["vocab_size"], 32)  # not a shard
+    sample = run("sample.py", f"--out_dir={out}", "--ckpt=latest", "--num_samples=2", "--max_new_tokens=10",
+                 "--device=cpu", check=True)
+    assert sample.stdout.count("---------------") == 2
+
+    proc = ok(torchrun(train_args(data_dir, out, max_iters=4, parallel="fsdp", init_from="resume"),
+                       tmp_path / "r2", SHARED_BATCHES=1))
+    check_resumed_at(proc, out, 1, 4, single)
+
+
+def test_one_gradient_allreduce_per_step_distinct_batches_only_rank0_writes(tmp_path, data_dir):
+    out, rep = tmp_path / "out", tmp_path / "report"
+    ok(torchrun(train_args(data_dir, out, max_iters=3, eval_interval=2), rep))
+    ranks = [report(rep, 0), report(rep, 1)]
+    for r in ranks:
+        # 4 global micro-steps on 2 ranks: no_sync on the first of each rank's 2, one all-reduce on the
+        # last (the model is far smaller than a DDP bucket, so one all-reduce is one hook call)
+        assert r["allreduces"] == {"0": 1, "1": 1, "2": 1}
+        assert len(r["batches"]) == 3 * 2 + 1  # 2 micro-batches per step, and the one fetched ahead
+    assert not set(ranks[0]["batches"]) & set(ranks[1]["batches"])
+    # evaluation is split over the ranks and all-reduced: both hold the same numbers
+    assert [it for it, _ in ranks[0]["losses"]] == [0, 2, 3]
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    ours = [p for p in ranks[0]["writes"] if p.startswith(str(tmp_path))]
+    assert str(out / "ckpt.pt") in ours and str(out / "best.pt") in ours
+    assert [p for p in ranks[1]["writes"] if p.startswith(str(tmp_path))] == []
+    assert sorted(os.listdir(out)) == ["best.pt", "ckpt.pt"]
+
+
+def test_failure_on_one_rank_ends_the_job(tmp_path, data_dir):
+    out = tmp_path / "out"
+    proc = torchrun(train_args(data_dir, out, max_iters=100), tmp_path / "report", timeout=120,
+                    FAIL_RANK=1, FAIL_ITER=2)
+    assert proc.returncode != 0
+    assert "error: simulated failure on rank 1 at iteration 2" in proc.stderr
+    assert not (tmp_path / "report" / "rank0.json").exists()  # rank 0 did not finish training either
+
+
+def test_accumulation_must_divide_by_world_size(tmp_path, data_dir):
+    proc = torchrun(train_args(data_dir, tmp_path / "out", gradient_accumulation_steps=3), tmp_path / "r",
+                    timeout=120)
+    assert proc.returncode != 0
+    assert ("error: gradient_accumulation_steps (3) must be divisible by the number of processes (2)"
+            in proc.stderr)
