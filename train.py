@@ -457,7 +457,17 @@ class Trainer:
     def load_optimizer_state_dict(self, state):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        groups = state.get("param_groups") or [{}]
+        if groups[0].get("params") and isinstance(groups[0]["params"][0], int):
+            # keyed by position: a plain optimizer.state_dict(), as nanoGPT writes (same parameter order)
+            if self.cfg.parallel == "fsdp" and self.ddp.enabled:
+                raise UserError("this checkpoint's optimizer state is keyed by position (nanoGPT's format); "
+                                "resume it once without FSDP (one process or --parallel=ddp), then with FSDP")
+            self.optimizer.load_state_dict(state)
+            return
         set_optimizer_state_dict(self.raw_model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+        for group in self.optimizer.param_groups:  # the round trip turns tuples into lists; keep AdamW's own types
+            group["betas"] = tuple(group["betas"])
 
     def save(self, which):
         """Write ckpt.pt (full state) or best.pt (weights); every rank must call it (state is gathered)."""
