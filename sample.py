@@ -39,8 +39,9 @@ class SampleConfig:
     temperature: float = _(0.8, "0: greedy (argmax); <1 sharper, >1 more random")
     top_k: Optional[int] = _(200, "sample only among the k most likely tokens (None: all)")
     top_p: Optional[float] = _(None, "nucleus sampling: the smallest set of tokens with probability >= top_p")
-    stop: Optional[str] = _(None, "end each sample where it first produces this text (any length, e.g. '\\n\\n'); "
-                                  "the text is cut there. BPE models also stop at <|endoftext|>")
+    stop: Optional[str] = _(None, "end each sample where it first produces this text, of any length (a blank line: "
+                                  "--stop=$'\\n\\n' in bash); the text is cut there. BPE models also stop at "
+                                  "<|endoftext|>")
     seed: int = _(1337, "random seed")
     device: str = _("auto", "auto, cpu, cuda, cuda:N or mps")
     dtype: str = _("auto", "auto, float32, bfloat16 or float16")
@@ -160,7 +161,7 @@ def main(argv=None):
         ids = ids[-block_size:]
     if cfg.stop is not None:
         if not cfg.stop:
-            raise UserError("--stop is empty; give the text that ends a sample, e.g. --stop='\\n\\n'")
+            raise UserError("--stop is empty; give the text that ends a sample, e.g. --stop=ROMEO:")
         encode(tokenizer, cfg.stop, "--stop")  # text the model cannot produce would never stop a sample
     stop_tokens = [tokenizer.eot_token] if tokenizer.eot_token is not None else None
 
