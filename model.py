@@ -10,7 +10,7 @@ input/output embedding, GELU MLP 4x wide) and keeps nanoGPT's API:
 
 Generation uses a KV cache (`KVCache`): one pass over the prompt, then one
 position per new token. The cached path gives the same tokens as re-running
-the whole context, including past block_size (see `GPT.generate`).
+the whole context, including past block_size (see `GPT.next_logits`).
 """
 
 import inspect
@@ -53,25 +53,21 @@ class GPTConfig:
 class KVCache:
     """Keys and values of every layer for the positions seen so far.
 
-    Allocated at the first update, to block_size positions, with the dtype and device
-    of the keys (so it follows autocast); `pos` is the number of positions filled,
+    Allocated up front, so decoding allocates nothing per token and a compiled model
+    sees the same buffers at every step. `pos` is the number of positions filled,
     which is also the position of the next token.
     """
 
-    def __init__(self, block_size):
-        self.block_size = block_size
-        self.k, self.v = [], []
-        self.pos = 0
-
-    def reset(self):
+    def __init__(self, config, batch_size, dtype, device):
+        # block_size positions and one spare: a slice [:end] is then never the whole buffer,
+        # a case that torch.compile would otherwise specialise (one more graph to compile)
+        shape = (batch_size, config.n_head, config.block_size + 1, config.n_embd // config.n_head)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.pos = 0
 
     def update(self, layer, k, v):
         """Store k, v (B, nh, T, hs) at positions pos..pos+T-1; return all keys and values so far."""
-        if layer == len(self.k):
-            B, nh, _, hs = k.shape
-            self.k.append(k.new_zeros(B, nh, self.block_size, hs))
-            self.v.append(v.new_zeros(B, nh, self.block_size, hs))
         start, end = self.pos, self.pos + k.size(2)
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
@@ -95,11 +91,12 @@ class Head(nn.Module):
         # (Tk > Tq only when decoding with a KV cache).
         Tq, Tk = q.size(-2), k.size(-2)
         dropout_p = self.dropout if self.training else 0.0
+        if Tq == 1:
+            # one new token may look at every position so far (checked first, so that a compiled
+            # model decodes with one graph whatever the number of cached positions)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
         if Tq == Tk:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        if Tq == 1:
-            # one new token may look at every cached position
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
         # several new tokens after a cached prefix: query i sits at position Tk-Tq+i
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
@@ -213,8 +210,8 @@ class GPT(nn.Module):
             logits = self.lm_head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         else:
-            # inference: only the last position's logits are needed (the list [-1] keeps the time dim)
-            logits = self.lm_head(x[:, [-1], :])
+            # inference: only the last position's logits are needed (the slice -1: keeps the time dim)
+            logits = self.lm_head(x[:, -1:, :])
             loss = None
         return logits, loss
 
@@ -259,52 +256,80 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------ generation
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                 stop_tokens=None, generator=None, use_cache=True):
+                 stop_tokens=None, generator=None, use_cache=True, vocab_size=None):
         """Extend idx (B, T) by up to max_new_tokens tokens and return the (B, T + n) result.
 
         temperature 0 is greedy (argmax). Generation ends early once every row has
         produced one of stop_tokens; a row that stopped is padded with its stop token.
+        use_cache=False re-runs the whole context for every token, as nanoGPT does
+        (same tokens, slower). vocab_size limits the tokens to the first vocab_size
+        (a tokenizer's, when the model's vocabulary is padded, e.g. 50257 of 50304).
         Put the model in eval mode first (model.eval()).
         """
         new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p,
-                                        stop_tokens, generator, use_cache))
+                                        stop_tokens, generator, use_cache, vocab_size))
         return torch.cat([idx] + [tok[:, None] for tok in new], dim=1)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                        stop_tokens=None, generator=None, use_cache=True):
+                        stop_tokens=None, generator=None, use_cache=True, vocab_size=None):
         """Like generate, but yields each new column of tokens, shape (B,), as soon as it is sampled."""
         block_size = self.config.block_size
-        seq = idx if idx.size(1) <= block_size else idx[:, -block_size:]
-        cache = KVCache(block_size) if use_cache else None
+        seq = idx[:, -block_size:]
+        cache = None
+        if use_cache:
+            cache = KVCache(self.config, idx.size(0), self._activation_dtype(idx.device), idx.device)
         stops = torch.tensor(sorted(stop_tokens), device=idx.device) if stop_tokens else None
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         fill = torch.zeros(idx.size(0), dtype=torch.long, device=idx.device)
-        for step in range(max_new_tokens):
-            if cache is None:
-                # nanoGPT's way: run the whole (cropped) context again for every token
-                logits, _ = self(seq[:, -block_size:])
-            elif step == 0 or cache.pos == block_size:
-                # Prefill. Past block_size the window slides: every kept token moves to a new
-                # position, so the cached keys (which carry their old positions) are stale and
-                # the window is encoded again. This keeps nanoGPT's exact semantics: a new token
-                # sees the last block_size tokens at positions 0..block_size-1.
-                cache.reset()
-                logits, _ = self(seq[:, -block_size:], kv_cache=cache)
-            else:
-                logits, _ = self(seq[:, -1:], kv_cache=cache)  # one new position
-            tok = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
+        for _ in range(max_new_tokens):
+            logits = self.next_logits(seq, cache)[:, :vocab_size]
+            tok = sample_next(logits, temperature, top_k, top_p, generator)
             if stops is not None:
                 tok = torch.where(done, fill, tok)
                 hit = torch.isin(tok, stops) & ~done
                 fill = torch.where(hit, tok, fill)
                 done = done | hit
-            seq = torch.cat((seq, tok[:, None]), dim=1)
+            # the last block_size tokens are all the next step can see; one more tells it the window slid
+            seq = torch.cat((seq[:, -block_size:], tok[:, None]), dim=1)
             yield tok
             if stops is not None and bool(done.all()):
                 return
+
+    @torch.inference_mode()
+    def next_logits(self, seq, cache=None):
+        """Logits (B, vocab_size), in float32, for the token that follows seq (B, T).
+
+        The model sees the last block_size tokens of seq at positions 0..block_size-1,
+        as nanoGPT's generate does. Without a cache it runs that whole window. With a
+        cache it runs only the tokens the cache has not seen yet; the cache must hold a
+        prefix of seq, as it does when seq grows by some tokens between calls.
+        """
+        block_size = self.config.block_size
+        if cache is None:
+            new = seq[:, -block_size:]  # nanoGPT's way: the whole context again for every token
+        elif seq.size(1) > block_size:
+            # Past block_size the window slides: every kept token moves to a new position, so
+            # the cached keys (which carry their old positions) are stale and the window is
+            # encoded again. This keeps the exact semantics at the cost of one full pass.
+            cache.pos = 0
+            new = seq[:, -block_size:]
+        else:
+            if cache.pos >= seq.size(1):
+                raise ValueError(f"the cache already holds {cache.pos} positions; seq has only {seq.size(1)}")
+            new = seq[:, cache.pos:]
+        # a fresh contiguous copy: a compiled model then sees the same strides at every step
+        # (a slice of the growing seq would change them and trigger recompiles)
+        logits, _ = self(new.clone(memory_format=torch.contiguous_format), kv_cache=cache)
+        return logits[:, -1, :].float()
+
+    def _activation_dtype(self, device):
+        """The dtype the q/k/v projection produces: autocast's, else the weights'."""
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.lm_head.weight.dtype
 
 
 def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):

@@ -9,7 +9,11 @@ tokenizer, so the text is encoded and decoded the way the training data was.
 nanoGPT's ckpt.pt carries none: its data/<dataset>/meta.json is used when there is
 one, else GPT-2 BPE (--meta picks one). With --init_from, OpenAI's GPT-2 weights
 (from the local Hugging Face cache) or a Hugging Face GPT-2 directory sample with
-GPT-2 BPE. With one sample, text is printed as it is produced.
+GPT-2 BPE.
+The samples are generated together as one batch; the first one is printed as it
+is produced (--stream), the others when the batch is done. A sample ends at
+--stop (a text of any length; the text is cut where it begins), at
+<|endoftext|> for GPT-2 BPE models, or after max_new_tokens.
 """
 
 import os
@@ -47,13 +51,16 @@ class SampleConfig:
     temperature: float = _(0.8, "0: greedy (argmax); <1 sharper, >1 more random")
     top_k: Optional[int] = _(200, "sample only among the k most likely tokens (None: all)")
     top_p: Optional[float] = _(None, "nucleus sampling: the smallest set of tokens with probability >= top_p")
-    stop: Optional[str] = _(None, "stop a sample when it produces this text (BPE models stop at <|endoftext|> by default)")
+    stop: Optional[str] = _(None, "end each sample where it first produces this text, of any length (a blank line: "
+                                  "--stop=$'\\n\\n' in bash); the text is cut there. BPE models also stop at "
+                                  "<|endoftext|>")
     seed: int = _(1337, "random seed")
     device: str = _("auto", "auto, cpu, cuda, cuda:N or mps")
     dtype: str = _("auto", "auto, float32, bfloat16 or float16")
     compile: bool = _(False, "torch.compile the model")
     use_cache: bool = _(True, "KV cache (False: re-run the whole context for every token, as nanoGPT)")
-    stream: bool = _(True, "print text as it is produced (when num_samples is 1)")
+    stream: bool = _(True, "print the first sample as it is produced (the batch is generated together: "
+                           "the other samples are printed when it is done); False: print all at the end")
 
 
 def read_prompt(start):
@@ -67,20 +74,57 @@ def read_prompt(start):
     return start
 
 
-class StreamDecoder:
-    """Turns a growing list of token ids into new text, holding back an incomplete UTF-8 character."""
+class SampleText:
+    """The generated text of one sample as its tokens arrive.
 
-    def __init__(self, tokenizer):
+    A sample is done at one of stop_tokens (not part of the text) or where stop_text
+    first appears (the text is cut there). add() returns the text that has become
+    final, for streaming: it holds back an incomplete UTF-8 character (BPE tokens can
+    split one) and a tail that may turn out to be the start of stop_text, so what is
+    streamed is always a prefix of the final text, and all of it once finish() is called.
+    """
+
+    def __init__(self, tokenizer, stop_text=None, stop_tokens=()):
         self.tokenizer = tokenizer
+        self.stop_text = stop_text
+        self.stop_tokens = set(stop_tokens)
         self.ids = []
-        self.emitted = 0
+        self.text = ""  # the decoded text, cut at stop_text
+        self.done = False
+        self.emitted = 0  # characters of text handed out so far
 
     def add(self, token_id):
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # a multi-byte character split across tokens
+        """Take the next token; return the newly final text."""
+        if self.done:
             return ""
-        new, self.emitted = text[self.emitted:], len(text)
+        if token_id in self.stop_tokens:
+            return self.finish()
+        self.ids.append(token_id)
+        self.text = self.tokenizer.decode(self.ids)
+        cut = self.text.find(self.stop_text) if self.stop_text else -1
+        if cut >= 0:
+            self.text = self.text[:cut]
+            return self.finish()
+        return self._take(len(self.text) - self._undecided())
+
+    def finish(self):
+        """End the sample; return the text not handed out yet."""
+        self.done = True
+        return self._take(len(self.text))
+
+    def _undecided(self):
+        """Characters at the end of text that a later token may still change or cut."""
+        text = self.text.rstrip("\ufffd")  # bytes of a character still to come
+        held = len(self.text) - len(text)
+        stop = self.stop_text or ""
+        for n in range(min(len(stop) - 1, len(text)), 0, -1):  # the longest tail that begins stop
+            if text.endswith(stop[:n]):
+                return held + n
+        return held
+
+    def _take(self, end):
+        new = self.text[self.emitted:end]
+        self.emitted = max(self.emitted, end)
         return new
 
 
@@ -102,6 +146,14 @@ def load_model(cfg):
         if meta is None:
             raise UserError(f"--meta: {cfg.meta} is not a meta.json file or a directory holding one")
     return model, meta
+
+
+def encode(tokenizer, text, what):
+    """Token ids of text; a character outside a char-level vocabulary is an error naming `what`."""
+    try:
+        return tokenizer.encode(text)
+    except UserError as e:
+        raise UserError(f"{what}: {e}") from None
 
 
 def main(argv=None):
@@ -127,46 +179,41 @@ def main(argv=None):
                         f"{tokenizer.vocab_size}: it was trained with another one; give its meta.json with --meta")
     model.eval().to(device)
     if cfg.compile:
-        model = torch.compile(model, dynamic=True)
+        # in place, so that generate's calls to the model run compiled (torch.compile(model) would return
+        # a wrapper whose generate calls the original); dynamic shapes: no recompile per prompt length
+        model.compile(dynamic=True)
 
     prompt = read_prompt(cfg.start)
     if not prompt:
         raise UserError("the prompt is empty; give some text with --start")
-    ids = tokenizer.encode(prompt)
+    ids = encode(tokenizer, prompt, "--start")
     block_size = model.config.block_size
     if len(ids) > block_size:
         print(f"note: the prompt has {len(ids)} tokens; keeping its last {block_size} (block_size)", file=sys.stderr)
         ids = ids[-block_size:]
-
-    stop_tokens = None
     if cfg.stop is not None:
-        stop_ids = tokenizer.encode(cfg.stop) if cfg.stop else []
-        if len(stop_ids) != 1:
-            raise UserError(f"--stop must be a single token of this tokenizer; {cfg.stop!r} is {len(stop_ids)}")
-        stop_tokens = stop_ids
-    elif tokenizer.eot_token is not None:
-        stop_tokens = [tokenizer.eot_token]
+        if not cfg.stop:
+            raise UserError("--stop is empty; give the text that ends a sample, e.g. --stop=ROMEO:")
+        encode(tokenizer, cfg.stop, "--stop")  # text the model cannot produce would never stop a sample
+    stop_tokens = [tokenizer.eot_token] if tokenizer.eot_token is not None else None
 
     torch.manual_seed(cfg.seed)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     x = torch.tensor(ids, dtype=torch.long, device=device)[None].repeat(cfg.num_samples, 1)
-    stream = cfg.stream and cfg.num_samples == 1
+    samples = [SampleText(tokenizer, cfg.stop, stop_tokens or ()) for _ in range(cfg.num_samples)]
+    if cfg.stream:
+        print(prompt, end="", flush=True)
     with torch.no_grad(), autocast(device, dtype):
-        rows = [[] for _ in range(cfg.num_samples)]
-        decoder = StreamDecoder(tokenizer)
-        if stream:
-            print(prompt, end="", flush=True)
-        stops = set(stop_tokens or ())
-        for tok in model.generate_stream(x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
-                                         stop_tokens, generator, cfg.use_cache):
-            for row, t in zip(rows, tok.tolist()):
-                if not (row and row[-1] in stops):  # a finished row keeps its stop token last
-                    row.append(t)
-            if stream and rows[0][-1] not in stops:
-                print(decoder.add(rows[0][-1]), end="", flush=True)
-    for row in rows:
-        text = tokenizer.decode(row[:-1] if row and row[-1] in stops else row)
-        print() if stream else print(prompt + text)
+        for tok in model.generate_stream(x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, stop_tokens,
+                                         generator, cfg.use_cache, vocab_size=tokenizer.vocab_size):
+            pieces = [sample.add(t) for sample, t in zip(samples, tok.tolist())]
+            if cfg.stream and pieces[0]:
+                print(pieces[0], end="", flush=True)
+            if all(sample.done for sample in samples):
+                break  # every sample met its stop text (stop tokens end generate_stream itself)
+    for i, sample in enumerate(samples):
+        rest = sample.finish()
+        print(rest if cfg.stream and i == 0 else prompt + sample.text)
         print("---------------")
 
 

@@ -270,6 +270,8 @@ class Trainer:
             cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), self.device_type)
         # fp16 gradients can underflow: scale the loss up, and skip steps whose gradients overflow
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=(self.dtype == "float16"))
+        # a non-finite loss is recorded on the device (no sync every step) and checked when logging/saving
+        self.nonfinite_at = torch.full((), -1, dtype=torch.long, device=self.device)
 
         self.train_sampler = BatchSampler(self.train_data, cfg.batch_size, cfg.block_size,
                                           seed=cfg.seed + 1000 * self.ddp.rank + 1, device=self.device)
@@ -524,9 +526,6 @@ class Trainer:
         wandb_run = self._start_wandb() if cfg.wandb_log and ddp.master else None
         stop = StopFlag()
         flops_peak = peak_flops(self.device)
-        # a non-finite loss is recorded on the device (no sync every step) and checked when logging/saving
-        self.nonfinite_at = torch.full((), -1, dtype=torch.long, device=self.device)
-        guard_nan = not self.scaler.is_enabled()  # with fp16 the GradScaler skips bad steps instead
 
         self.saved_at = {}
         x, y = self.next_batch()
@@ -561,26 +560,7 @@ class Trainer:
             if self.iter_num >= cfg.max_iters:
                 break
 
-            # one optimizer step: accum micro-batches on this rank; gradients are synchronised
-            # across ranks only on the last one (DDP's no_sync / FSDP's requires_gradient_sync)
-            for micro_step in range(self.accum):
-                with self._sync_gradients(micro_step == self.accum - 1):
-                    with self.ctx:
-                        _, loss = self.model(x, y)
-                        loss = loss / self.accum  # the mean over micro-steps; DDP averages over ranks
-                    if guard_nan:
-                        bad = ~torch.isfinite(loss.detach())
-                        # numbered as the `iter N:` log line of this step
-                        self.nonfinite_at = torch.where(bad & (self.nonfinite_at < 0), self.iter_num + 1,
-                                                        self.nonfinite_at)
-                    x, y = self.next_batch()  # fetch the next batch while the device works
-                    self.scaler.scale(loss).backward()
-            if cfg.grad_clip > 0:
-                self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
+            loss, x, y = self.train_step(x, y)
 
             t1 = time.time()
             dt, t0 = t1 - t0, t1
@@ -613,6 +593,31 @@ class Trainer:
         stop.restore()
         if wandb_run:
             wandb_run.finish()
+
+    def train_step(self, x, y):
+        """One optimizer step: accum micro-batches on this rank, the first being (x, y); gradients are
+        synchronised across ranks only on the last one (DDP's no_sync / FSDP's requires_gradient_sync).
+        Returns the last micro-batch's loss (divided by accum) and the next batch."""
+        guard_nan = not self.scaler.is_enabled()  # with fp16 the GradScaler skips bad steps instead
+        for micro_step in range(self.accum):
+            with self._sync_gradients(micro_step == self.accum - 1):
+                with self.ctx:
+                    _, loss = self.model(x, y)
+                    loss = loss / self.accum  # the mean over micro-steps; DDP averages over ranks
+                if guard_nan:
+                    bad = ~torch.isfinite(loss.detach())
+                    # numbered as the `iter N:` log line of this step
+                    self.nonfinite_at = torch.where(bad & (self.nonfinite_at < 0), self.iter_num + 1,
+                                                    self.nonfinite_at)
+                x, y = self.next_batch()  # fetch the next batch while the device works
+                self.scaler.scale(loss).backward()
+        if self.cfg.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, x, y
 
     def next_batch(self):
         self.batch_state = self.train_sampler.state_dict()

@@ -1,0 +1,168 @@
+"""
+Speed of generation and of training, on random weights and random tokens (no dataset needed):
+
+    python bench.py --mode=sample --n_layer=6 --n_head=6 --n_embd=384 --block_size=1024 --vocab_size=65 --device=cpu
+    python bench.py config/train_shakespeare_char.py --mode=train --batch_size=8 --device=cpu
+
+mode=sample: tokens/s of greedy generation (batch 1, a random prompt) with the KV cache and
+without it (re-running the whole context for every token, as nanoGPT), on the same model in
+the same run, and whether the two paths produced the same tokens.
+
+mode=train: ms/iter and tokens/s (and MFU on GPUs) of train.py's own training step
+(Trainer.train_step: forward, backward, gradient clipping, AdamW) with its device, dtype,
+autocast and compile settings.
+
+Every train.py setting is a setting here too, so training config files work as they are;
+vocab_size defaults to the configured dataset's when it has been prepared. Each figure is the
+median of `repeats` measurements taken after `warmup` unmeasured ones.
+"""
+
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import configurator
+from configurator import UserError
+from data import load_meta
+from hardware import peak_flops
+from train import TrainConfig, Trainer, _
+
+
+@dataclass
+class BenchConfig(TrainConfig):
+    mode: str = _("sample", "sample (generation with and without the KV cache) or train (one training step)")
+    warmup: int = _(1, "unmeasured runs (sample) or iterations (train) first")
+    repeats: int = _(3, "measured runs or iterations; the median is reported")
+    max_new_tokens: int = _(500, "mode=sample: tokens to generate per run (batch 1, greedy)")
+    prompt_len: int = _(8, "mode=sample: tokens in the random prompt")
+    threads: int = _(0, "CPU threads for PyTorch (0: its default, one per core)")
+
+    def validate(self):
+        super().validate()
+        if self.mode not in ("sample", "train"):
+            raise UserError(f"mode must be sample or train, got {self.mode!r}")
+        if self.warmup < 0:
+            raise UserError(f"warmup must not be negative, got {self.warmup}")
+        if self.threads < 0:
+            raise UserError(f"threads must not be negative, got {self.threads}")
+        for name in ("repeats", "max_new_tokens", "prompt_len"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.prompt_len > self.block_size:
+            raise UserError(f"prompt_len ({self.prompt_len}) must be at most block_size ({self.block_size})")
+
+
+def make_trainer(cfg, workdir, compile):
+    """train.py's Trainer on a dataset of random tokens written to workdir: the model, device,
+    dtype, autocast and optimizer exactly as a training run with these settings would have them."""
+    meta = load_meta(os.path.join(cfg.data_dir, cfg.dataset))  # the real vocabulary, if prepared
+    vocab = cfg.vocab_size or (meta or {}).get("vocab_size") or 50304
+    data_dir = os.path.join(workdir, "random")
+    os.makedirs(data_dir)
+    tokens = np.random.default_rng(cfg.seed).integers(0, vocab, size=64 * (cfg.block_size + 1), dtype=np.uint16)
+    for split in ("train", "val"):
+        tokens.tofile(os.path.join(data_dir, f"{split}.bin"))
+    with open(os.path.join(data_dir, "meta.json"), "w") as f:
+        json.dump({"vocab_size": vocab}, f)
+    run_cfg = dataclasses.replace(cfg, data_dir=workdir, dataset="random", out_dir=os.path.join(workdir, "out"),
+                                  vocab_size=vocab, init_from="scratch", wandb_log=False, compile=compile)
+    return Trainer(run_cfg)
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def describe(trainer):
+    mc = trainer.model_config
+    return (f"model: {trainer.raw_model.get_num_params() / 1e6:.2f}M parameters ({mc.n_layer} layers, "
+            f"{mc.n_head} heads, {mc.n_embd} wide, block_size {mc.block_size}, vocab {mc.vocab_size}); "
+            f"device {trainer.device}, {trainer.dtype}, {torch.get_num_threads()} CPU threads")
+
+
+def bench_sample(cfg, workdir):
+    trainer = make_trainer(cfg, workdir, compile=False)
+    device = trainer.device
+    use_compile = cfg.compile if cfg.compile is not None else trainer.device_type == "cuda"
+    model = trainer.raw_model.eval()
+    if use_compile:
+        model.compile(dynamic=True)  # as sample.py --compile
+    g = torch.Generator().manual_seed(cfg.seed)
+    prompt = torch.randint(model.config.vocab_size, (1, cfg.prompt_len), generator=g).to(device)
+
+    def run(use_cache):
+        sync(device)
+        t0 = time.perf_counter()
+        with trainer.ctx:
+            out = model.generate(prompt, cfg.max_new_tokens, temperature=0, use_cache=use_cache)
+        sync(device)
+        return time.perf_counter() - t0, out
+
+    print(describe(trainer) + f", compile {use_compile}")
+    print(f"batch 1, prompt {cfg.prompt_len} tokens, {cfg.max_new_tokens} new tokens, greedy; "
+          f"{cfg.warmup} warm-up + {cfg.repeats} measured runs of each path, alternating")
+    times, outs = {True: [], False: []}, {}
+    for i in range(cfg.warmup + cfg.repeats):
+        for use_cache in (True, False):
+            dt, outs[use_cache] = run(use_cache)
+            run_name = "warm-up" if i < cfg.warmup else f"run {i - cfg.warmup + 1}"
+            print(f"  {run_name:8} {'cached' if use_cache else 'uncached':9} {dt:8.2f} s", flush=True)
+            if i >= cfg.warmup:
+                times[use_cache].append(dt)
+    rate = {c: cfg.max_new_tokens / statistics.median(times[c]) for c in times}
+    print(f"{'':10} {'tokens/s':>10}   (median)")
+    for use_cache, name in ((True, "cached"), (False, "uncached")):
+        print(f"{name:10} {rate[use_cache]:10,.1f}")
+    same = torch.equal(outs[True], outs[False])
+    print(f"speed-up with the KV cache: {rate[True] / rate[False]:.1f}x; "
+          f"greedy tokens identical: {'yes' if same else 'NO'}")
+    return rate, same
+
+
+def bench_train(cfg, workdir):
+    trainer = make_trainer(cfg, workdir, compile=cfg.compile)
+    compiled = trainer.model is not trainer.raw_model
+    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+    print(describe(trainer) + f", compile {compiled}")
+    print(f"one iteration: {cfg.gradient_accumulation_steps} micro-steps x batch {cfg.batch_size} x "
+          f"{cfg.block_size} tokens = {tokens_per_iter:,} tokens; {cfg.warmup} warm-up + {cfg.repeats} measured")
+    x, y = trainer.next_batch()
+    times = []
+    for i in range(cfg.warmup + cfg.repeats):
+        sync(trainer.device)
+        t0 = time.perf_counter()
+        loss, x, y = trainer.train_step(x, y)
+        loss.item()  # wait for the step to finish
+        dt = time.perf_counter() - t0
+        print(f"  {'warm-up' if i < cfg.warmup else f'iter {i - cfg.warmup + 1}':8} {dt * 1000:10.1f} ms", flush=True)
+        if i >= cfg.warmup:
+            times.append(dt)
+    flops = peak_flops(trainer.device)
+    print(f"{'':8} {'ms/iter':>10} {'tokens/s':>12} {'MFU':>8}")
+    for name, dt in (("median", statistics.median(times)), ("min", min(times)), ("max", max(times))):
+        mfu = trainer.raw_model.estimate_mfu(cfg.batch_size * cfg.gradient_accumulation_steps, dt, flops) \
+            if flops else None
+        print(f"{name:8} {dt * 1000:10.1f} {tokens_per_iter / dt:12,.0f} {f'{mfu:.1%}' if mfu else '-':>8}")
+    return statistics.median(times)
+
+
+def main(argv=None):
+    cfg = configurator.parse(BenchConfig, argv,
+                             usage="python bench.py [config/FILE.py ...] [--key=value ...] --mode=sample|train")
+    cfg.validate()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
+        return (bench_sample if cfg.mode == "sample" else bench_train)(cfg, workdir)
+
+
+if __name__ == "__main__":
+    configurator.run_main(main)

@@ -1,0 +1,176 @@
+"""Generation in model.py: the KV cache is exact, sampling options do what they say, compiled decoding
+does not recompile per token. Small random fp32 models on the CPU; logits compared within 1e-4."""
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, KVCache, filter_logits, sample_next
+
+# (seed, config) of the random models the exactness tests run on
+MODELS = [
+    (0, dict(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8)),
+    (1, dict(block_size=16, vocab_size=37, n_layer=2, n_head=4, n_embd=32, bias=False)),
+    (2, dict(block_size=12, vocab_size=65, n_layer=3, n_head=2, n_embd=24, gelu="tanh")),
+]
+
+
+def random_model(seed, config):
+    """An eval-mode GPT with weight matrices larger than GPT-2's init, so that its outputs vary with the context."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**config)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def prompts(model, seed):
+    """Prompts of 1 token, a few, exactly block_size and more than block_size tokens (batch of 2)."""
+    g = torch.Generator().manual_seed(seed)
+    B, V = model.config.block_size, model.config.vocab_size
+    return [torch.randint(V, (2, T), generator=g) for T in (1, 3, B, B + 5)]
+
+
+@pytest.mark.parametrize("seed,config", MODELS)
+def test_cached_greedy_tokens_equal_uncached(seed, config):
+    model = random_model(seed, config)
+    steps = 2 * config["block_size"] + 3  # runs well past block_size, where the window slides
+    distinct = set()
+    for idx in prompts(model, seed):
+        cached = model.generate(idx, steps, temperature=0, use_cache=True)
+        uncached = model.generate(idx, steps, temperature=0, use_cache=False)
+        assert cached.shape == (2, idx.size(1) + steps)
+        assert torch.equal(cached, uncached)
+        distinct |= {tuple(row) for row in cached[:, idx.size(1):].tolist()}
+    assert len(distinct) > 4  # the prompts lead to different continuations: the context matters
+
+
+@pytest.mark.parametrize("seed,config", MODELS)
+def test_cached_logits_equal_uncached_at_every_step(seed, config):
+    """Teacher-forced on random tokens: per-step logits with and without the cache agree within 1e-4,
+    one new token per step and several at once (a cached prefix plus a chunk), before and past block_size."""
+    model = random_model(seed, config)
+    g = torch.Generator().manual_seed(seed)
+    V, block_size = config["vocab_size"], config["block_size"]
+    for idx in prompts(model, seed)[:2]:
+        seq, cache = idx, KVCache(model.config, idx.size(0), torch.float32, "cpu")
+        step = 0
+        while seq.size(1) < 2 * block_size + 4:
+            cached, full = model.next_logits(seq, cache), model.next_logits(seq)
+            assert cached.shape == full.shape == (2, V)
+            assert (cached - full).abs().max().item() <= 1e-4, f"step {step}, {seq.size(1)} tokens"
+            # nanoGPT's definition: the forward pass over the last block_size tokens
+            assert torch.equal(full, model(seq[:, -block_size:])[0][:, -1])
+            grow = 3 if step % 4 == 1 else 1  # now and then three new tokens in one call
+            seq = torch.cat((seq, torch.randint(V, (2, grow), generator=g)), dim=1)
+            step += 1
+
+
+def test_generate_under_bfloat16_autocast():
+    """The cache takes autocast's dtype (the keys come out of the projection in bfloat16)."""
+    model = random_model(*MODELS[1])
+    idx = torch.zeros(1, 3, dtype=torch.long)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.generate(idx, 20, temperature=0)  # past block_size 16 too
+    assert out.shape == (1, 23)
+
+
+def test_temperature_zero_is_greedy_and_deterministic():
+    model = random_model(*MODELS[1])
+    idx = torch.tensor([[1, 2, 3]])
+    runs = [model.generate(idx, 10, temperature=0, top_k=5, top_p=0.5,
+                           generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    assert torch.equal(runs[0], runs[1])
+    seq = idx
+    for _ in range(10):
+        seq = torch.cat((seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)), dim=1)
+    assert torch.equal(runs[0], seq)
+
+
+def test_top_k_larger_than_the_vocabulary_keeps_everything():
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(filter_logits(logits, 0.9, top_k=1000), filter_logits(logits, 0.9))
+    assert torch.equal(filter_logits(logits, 1.0, top_k=11), logits)
+    assert filter_logits(logits, 1.0, top_k=2).isfinite().sum(-1).tolist() == [2, 2, 2]
+    model = random_model(*MODELS[0])
+    out = model.generate(torch.zeros(2, 1, dtype=torch.long), 5, top_k=1000,
+                         generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 6)
+
+
+def test_top_p_one_leaves_the_distribution_unchanged():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(filter_logits(logits, 0.8, top_k=20, top_p=1.0), filter_logits(logits, 0.8, top_k=20))
+    draws = [sample_next(logits, 0.8, top_p=p, generator=torch.Generator().manual_seed(3)) for p in (1.0, None)]
+    assert torch.equal(draws[0], draws[1])
+    assert filter_logits(logits, 0.8, top_p=0.9).isinf().any()  # while a top_p below 1 does cut
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log()
+    kept = lambda p: filter_logits(logits, top_p=p).isfinite()[0].tolist()  # noqa: E731
+    assert kept(0.45) == [False, True, False, False]
+    assert kept(0.75) == [False, True, False, True]
+    assert kept(0.85) == [True, True, False, True]
+    assert kept(0.99) == [True, True, True, True]
+
+
+def test_tiny_top_p_picks_the_argmax():
+    logits = torch.randn(64, 100, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        assert torch.equal(sample_next(logits, 1.5, top_p=1e-6, generator=g), logits.argmax(-1))
+
+
+def test_vocab_size_limits_the_tokens_to_the_first_ones():
+    model = random_model(*MODELS[1])
+    out = model.generate(torch.zeros(4, 1, dtype=torch.long), 30, temperature=2.0, vocab_size=5,
+                         generator=torch.Generator().manual_seed(0))
+    assert out.max().item() < 5 and len(out.unique()) == 5
+
+
+def test_a_stop_token_ends_each_sample():
+    model = random_model(*MODELS[1])
+    idx = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    free = model.generate(idx, 30, temperature=0)[:, 3:]
+    stop = free[0, 5].item()  # a token that row 0 produces at step 5 at the latest
+    ends = [row.index(stop) if stop in row else None for row in free.tolist()]
+    out = model.generate(idx, 30, temperature=0, stop_tokens=[stop])[:, 3:]
+    if None in ends:
+        assert torch.equal(out, free)  # a row that never stops runs to max_new_tokens
+    else:
+        assert out.size(1) == max(ends) + 1 < 30  # generation stops once every row has stopped
+    for row, end, free_row in zip(out.tolist(), ends, free.tolist()):
+        if end is not None:
+            assert row[:end + 1] == free_row[:end + 1]
+            assert all(t == stop for t in row[end:])  # a finished row is padded with its stop token
+    assert ends[0] is not None and ends[0] <= 5
+
+
+def test_compiled_decoding_does_not_recompile_per_token():
+    """model.compile(dynamic=True), as sample.py --compile does: the number of graphs dynamo compiles does
+    not grow with the number of tokens or the prompt length, and the tokens are those of the eager model.
+    The "eager" backend keeps the test quick: dynamo decides what to recompile whatever the backend
+    (inductor itself, measured by hand, compiles 3 graphs here: a 1-token prompt, other prompts, decoding)."""
+    from torch._dynamo.utils import counters
+
+    model = random_model(*MODELS[0])
+    block_size = model.config.block_size
+    rounds = [[1, 3], [5, 12]]  # prompt lengths (12 > block_size 8); the second round also runs longer
+    expected = [[model.generate(torch.arange(T)[None] % 11, (2 + r) * block_size, temperature=0)
+                 for T in lengths] for r, lengths in enumerate(rounds)]
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        model.compile(dynamic=True, backend="eager")
+        graphs = []
+        for r, lengths in enumerate(rounds):
+            for T, want in zip(lengths, expected[r]):
+                assert torch.equal(model.generate(torch.arange(T)[None] % 11, (2 + r) * block_size,
+                                                  temperature=0), want)
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert 1 <= graphs[0] <= 3, graphs  # prefill and decode (and perhaps a 1-token prompt)
+        assert graphs[1] == graphs[0], graphs  # longer runs and new prompt lengths compiled nothing new
+    finally:
+        torch._dynamo.reset()

@@ -1,0 +1,189 @@
+"""sample.py: stop texts, stop tokens, streaming, long prompts and bad prompts, on small random checkpoints."""
+
+import io
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import checkpoint
+import sample
+from conftest import make_corpus, run
+from model import GPT, GPTConfig
+from tokenizer import CharTokenizer, GPT2Tokenizer
+
+BLOCK_SIZE = 32
+SEPARATOR = "---------------\n"
+
+
+def save_checkpoint(path, model, tokenizer):
+    checkpoint.save({"model": model.state_dict(), "model_config": asdict(model.config),
+                     "tokenizer": tokenizer.meta()}, str(path))
+
+
+@pytest.fixture(scope="module")
+def char_ckpt(tmp_path_factory):
+    """best.pt of a random character-level model over make_corpus()'s characters."""
+    tokenizer = CharTokenizer(sorted(set(make_corpus())))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=BLOCK_SIZE, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_embd=32))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)  # larger than GPT-2's init: varied text
+    path = tmp_path_factory.mktemp("char") / "best.pt"
+    save_checkpoint(path, model, tokenizer)
+    return path
+
+
+def sample_stdout(capsys, ckpt, *args):
+    """Run sample.py's main in this process; return what it printed to stdout."""
+    return run_sample(capsys, ckpt, *args).out
+
+
+def run_sample(capsys, ckpt, *args):
+    """Run sample.py's main in this process; return what it printed (.out and .err)."""
+    capsys.readouterr()
+    sample.main([f"--out_dir={ckpt}", "--device=cpu", *args])
+    return capsys.readouterr()
+
+
+def split_samples(stdout):
+    assert stdout.endswith(SEPARATOR)
+    return [text[:-1] for text in stdout.split(SEPARATOR)[:-1]]  # print() added one newline to each
+
+
+def test_streamed_output_equals_the_batch_output_and_generate(capsys, char_ckpt):
+    common = ["--start=ROMEO:", "--max_new_tokens=60", "--temperature=0.9", "--top_k=20", "--seed=5"]
+    streamed = sample_stdout(capsys, char_ckpt, *common, "--num_samples=3", "--stream=True")
+    at_end = sample_stdout(capsys, char_ckpt, *common, "--num_samples=3", "--stream=False")
+    assert streamed == at_end
+    assert len(split_samples(streamed)) == 3
+
+    # one sample, streamed, against model.generate with the same seed
+    streamed = sample_stdout(capsys, char_ckpt, *common, "--num_samples=1")
+    ckpt = checkpoint.load(str(char_ckpt))
+    model, tokenizer = checkpoint.build_model(ckpt).eval(), CharTokenizer(ckpt["tokenizer"]["chars"])
+    out = model.generate(torch.tensor([tokenizer.encode("ROMEO:")]), 60, temperature=0.9, top_k=20,
+                         generator=torch.Generator().manual_seed(5))
+    assert streamed == tokenizer.decode(out[0].tolist()) + "\n" + SEPARATOR
+
+
+def test_sample_py_prints_the_first_sample_while_the_batch_is_generated(monkeypatch, char_ckpt):
+    """After each generated token, stdout already holds the prompt and one more character of sample 0."""
+    stdout, printed = io.StringIO(), []
+    generate_stream = GPT.generate_stream
+
+    def spy(*args, **kwargs):
+        for tok in generate_stream(*args, **kwargs):
+            yield tok
+            printed.append(stdout.getvalue())  # sample.py has handled this token
+
+    monkeypatch.setattr(GPT, "generate_stream", spy)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    sample.main([f"--out_dir={char_ckpt}", "--device=cpu", "--start=KING", "--max_new_tokens=25", "--num_samples=2"])
+    first = split_samples(stdout.getvalue())[0]
+    assert printed == [first[:len("KING") + i] for i in range(1, 26)]
+
+
+def test_a_multi_token_stop_text_cuts_each_sample_at_its_first_occurrence(capsys, char_ckpt):
+    common = ["--start=ROMEO:", "--max_new_tokens=80", "--num_samples=2", "--seed=3"]
+    free = [text[len("ROMEO:"):] for text in split_samples(sample_stdout(capsys, char_ckpt, *common))]
+    stop = free[0][20:23]  # three characters (three tokens) that sample 0 produces
+    stopped = split_samples(sample_stdout(capsys, char_ckpt, *common, f"--stop={stop}"))
+    for text, full in zip(stopped, free):
+        cut = full.find(stop)
+        assert text == "ROMEO:" + (full[:cut] if cut >= 0 else full)
+    assert len(stopped[0]) < len("ROMEO:") + 23
+
+
+def test_temperature_zero_is_the_same_whatever_the_seed(capsys, char_ckpt):
+    texts = [sample_stdout(capsys, char_ckpt, "--start=KING", "--max_new_tokens=30", "--num_samples=2",
+                           "--temperature=0", f"--seed={seed}") for seed in (1, 2)]
+    assert texts[0] == texts[1]
+    first, second = split_samples(texts[0])
+    assert first == second
+
+
+def test_a_prompt_longer_than_block_size_keeps_its_last_block_size_tokens(capsys, char_ckpt):
+    long = make_corpus()[:90]
+    tail = long[-BLOCK_SIZE:]
+    args = ["--max_new_tokens=20", "--num_samples=1", "--temperature=0"]
+    from_long = run_sample(capsys, char_ckpt, f"--start={long}", *args)
+    assert from_long.err == f"note: the prompt has 90 tokens; keeping its last {BLOCK_SIZE} (block_size)\n"
+    from_tail = run_sample(capsys, char_ckpt, f"--start={tail}", *args)
+    assert from_tail.err == ""
+    assert from_long.out == long + from_tail.out[len(tail):]  # the continuation of the last 32 characters
+
+
+def test_a_prompt_outside_the_character_vocabulary_exits_2_naming_the_characters(char_ckpt):
+    proc = run("sample.py", f"--out_dir={char_ckpt}", "--device=cpu", "--start=Héllo wörld", "--max_new_tokens=5")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --start:")
+    assert "'é' 'ö'" in lines[0]
+
+
+def test_a_stop_text_outside_the_vocabulary_is_an_error(capsys, char_ckpt):
+    with pytest.raises(sample.UserError, match=r"--stop: .*'€'"):
+        sample.main([f"--out_dir={char_ckpt}", "--device=cpu", "--stop=€"])
+
+
+# ---------------------------------------------------------------------- SampleText, the streaming logic
+
+
+def feed(text_stream, tokenizer, ids):
+    pieces = [text_stream.add(i) for i in ids]
+    return pieces, pieces + [text_stream.finish()]
+
+
+def test_streaming_holds_back_what_may_become_the_stop_text():
+    tokenizer = CharTokenizer(sorted(set("Hello ROMEX then ROMEO: more")))
+    stream = sample.SampleText(tokenizer, stop_text="ROMEO:")
+    pieces, everything = feed(stream, tokenizer, tokenizer.encode("Hello ROMEX then ROMEO: more"))
+    assert "".join(everything) == stream.text == "Hello ROMEX then "
+    assert stream.done
+    assert "".join(pieces[:7]) == "Hello "  # printed as it comes, up to the R that may begin ROMEO:
+    assert "".join(pieces[:11]) == "Hello ROMEX"  # ROMEX is not ROMEO: out it goes
+    assert "".join(pieces[:20]) == "Hello ROMEX then "  # ROM is held back...
+    assert all(p == "" for p in pieces[20:])  # ...and never printed: it was the stop text
+
+
+def test_streaming_holds_back_split_utf8_characters_and_stops_at_a_stop_token():
+    tokenizer = GPT2Tokenizer()
+    text = "Fair 你好世界, café — ok"
+    ids = tokenizer.encode(text)
+    assert any(tokenizer.decode(ids[:n]).endswith("\ufffd") for n in range(len(ids)))  # split characters
+    stream = sample.SampleText(tokenizer, stop_tokens=[tokenizer.eot_token])
+    pieces, everything = feed(stream, tokenizer, ids + [tokenizer.eot_token] + tokenizer.encode(" more"))
+    assert not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) == "".join(everything) == stream.text == text
+
+
+@pytest.fixture(scope="module")
+def bpe_ckpt(tmp_path_factory):
+    """A GPT-2 BPE model whose most likely tokens are always the padding ids 50257..50303 (which GPT-2's
+    tokenizer cannot decode), then <|endoftext|>: the output layer (tied to the token embedding) sees a
+    constant vector, the final LayerNorm's bias, and those tokens' embeddings point along it."""
+    tokenizer = GPT2Tokenizer()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
+    with torch.no_grad():
+        model.tok_emb.weight[tokenizer.vocab_size:] = 20.0
+        model.tok_emb.weight[tokenizer.eot_token] = 10.0
+        model.ln_f.weight.zero_()
+        model.ln_f.bias.fill_(1.0)
+    path = tmp_path_factory.mktemp("bpe") / "best.pt"
+    save_checkpoint(path, model, tokenizer)
+    return path
+
+
+def test_bpe_samples_stop_at_endoftext_and_never_produce_padding_ids(capsys, bpe_ckpt):
+    out = sample_stdout(capsys, bpe_ckpt, "--start=Hello there", "--max_new_tokens=20", "--num_samples=2")
+    assert out == ("Hello there\n" + SEPARATOR) * 2
+    model = checkpoint.build_model(checkpoint.load(str(bpe_ckpt))).eval()
+    assert model.generate(torch.tensor([[15496]]), 2, temperature=0).tolist() == [[15496, 50257, 50257]]
+    assert model.generate(torch.tensor([[15496]]), 2, temperature=0, vocab_size=50257).tolist() == \
+        [[15496, 50256, 50256]]
