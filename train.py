@@ -459,8 +459,10 @@ class Trainer:
                 if not math.isfinite(losses["val"]):
                     raise UserError(f"validation loss is not finite at iteration {self.iter_num}; stopping without saving")
                 if wandb_run:
-                    wandb_run.log({"iter": self.iter_num, "train/loss": losses["train"], "val/loss": losses["val"],
-                                   "lr": lr, "mfu": running_mfu * 100}, step=self.iter_num)
+                    metrics = {"iter": self.iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr}
+                    if running_mfu >= 0:  # -1 until measured (never on a CPU)
+                        metrics["mfu"] = running_mfu * 100
+                    wandb_run.log(metrics, step=self.iter_num)
                 if cfg.eval_only:
                     break
                 improved = losses["val"] < self.best_val_loss
@@ -538,10 +540,11 @@ class Trainer:
     def _start_wandb(self):
         import wandb
 
-        if self.wandb_run_id is None:
-            self.wandb_run_id = wandb.util.generate_id()
-        return wandb.init(project=self.cfg.wandb_project, name=self.cfg.wandb_run_name, id=self.wandb_run_id,
-                          resume="allow", config=asdict(self.cfg))
+        # a new run gets its id from wandb; a resumed one continues the run its checkpoint names
+        run = wandb.init(project=self.cfg.wandb_project, name=self.cfg.wandb_run_name, id=self.wandb_run_id,
+                         resume="allow", config=asdict(self.cfg))
+        self.wandb_run_id = run.id
+        return run
 
 
 class _FSDPNoSync:
