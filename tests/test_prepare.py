@@ -166,3 +166,16 @@ def test_char_tokenizer_refuses_unknown_characters():
     assert tok.decode(tok.encode("cab")) == "cab"
     with pytest.raises(Exception, match="'z'"):
         tok.encode("abz")
+
+
+def test_no_network_names_input(tmp_path, monkeypatch):
+    import urllib.error
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no route to host")
+
+    monkeypatch.setattr(prepare.urllib.request, "urlopen", offline)
+    with pytest.raises(prepare.UserError) as e:
+        prepare.main(["shakespeare_char", "--data_dir", str(tmp_path / "d")])
+    assert "--input" in str(e.value) and "\n" not in str(e.value)
+    assert not list((tmp_path / "d").rglob("*.*"))  # no partial download, no dataset
