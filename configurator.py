@@ -85,10 +85,14 @@ def read_config_file(path):
             source = f.read()
     except OSError as e:
         raise UserError(f"cannot read config file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"config file {path} is not UTF-8 text (bad byte at offset {e.start})") from None
     try:
         tree = ast.parse(source, filename=path)
     except SyntaxError as e:
         raise UserError(f"{path}:{e.lineno}: not a valid config line ({e.msg})") from None
+    except ValueError as e:  # null bytes (Python < 3.12 raises ValueError for them)
+        raise UserError(f"config file {path} is not a text file of key = value lines ({e})") from None
     values = {}
     for node in tree.body:
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
@@ -98,7 +102,7 @@ def read_config_file(path):
         key = node.targets[0].id
         try:
             values[key] = ast.literal_eval(node.value)
-        except ValueError:
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # e.g. {[1]: 2}: unhashable
             raise UserError(
                 f"{path}:{node.lineno}: the value of {key} must be a plain literal "
                 f"(number, string, True/False, None, tuple); config files are not executed"
@@ -131,15 +135,19 @@ def parse(cls, argv=None, usage="script.py [config_file ...] [--key=value ...]",
             raise UserError(f"unknown setting {where}; see --help for the list")
         values[key] = _convert(key, raw, hints[key], from_cli)
 
+    # config files first (in order), then the command line, wherever its arguments stand
+    overrides = []
     for arg in argv:
         if arg.startswith("--"):
             key, eq, raw = arg[2:].partition("=")
             if not eq:
                 raise UserError(f"{arg}: write settings as --key=value")
-            set_value(key, raw, from_cli=True)
+            overrides.append((key, raw))
         elif extra_files_ok and not arg.startswith("-"):
             for key, raw in read_config_file(arg).items():
                 set_value(key, raw, from_cli=False)
         else:
             raise UserError(f"unexpected argument {arg!r}; see --help")
+    for key, raw in overrides:
+        set_value(key, raw, from_cli=True)
     return cls(**values)

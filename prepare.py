@@ -82,6 +82,7 @@ def prepare(input_path, out_dir, tokenizer_kind="char", val_fraction=0.1):
     paths = {s: os.path.join(out_dir, f"{s}.bin") for s in ("train", "val")}
     counts = {"train": 0, "val": 0}
     files = {s: open(p + ".tmp", "wb") for s, p in paths.items()}
+    paths["meta"] = os.path.join(out_dir, "meta.json")
     try:
         pos = 0
         with tqdm(total=n_chars, unit="char", unit_scale=True, desc="tokenizing",
@@ -97,19 +98,21 @@ def prepare(input_path, out_dir, tokenizer_kind="char", val_fraction=0.1):
                 bar.update(len(text))
         for f in files.values():
             f.close()
+        meta = tok.meta()
+        meta.update({"train_tokens": counts["train"], "val_tokens": counts["val"],
+                     "source": os.path.abspath(input_path)})
+        with open(paths["meta"] + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(meta, f, ensure_ascii=False, indent=1)
         # only now replace what was there: a failure above leaves an existing dataset untouched
-        for split, p in paths.items():
+        for p in paths.values():
             os.replace(p + ".tmp", p)
     finally:
-        for split, f in files.items():
+        for f in files.values():
             f.close()
-            if os.path.exists(paths[split] + ".tmp"):
-                os.remove(paths[split] + ".tmp")
+        for p in paths.values():
+            if os.path.exists(p + ".tmp"):
+                os.remove(p + ".tmp")
 
-    meta = tok.meta()
-    meta.update({"train_tokens": counts["train"], "val_tokens": counts["val"], "source": os.path.abspath(input_path)})
-    with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, ensure_ascii=False, indent=1)
     print(f"{out_dir}: vocab_size {tok.vocab_size}, train {counts['train']:,} tokens, val {counts['val']:,} tokens")
     return meta
 

@@ -543,8 +543,10 @@ class Trainer:
                 if not math.isfinite(losses["val"]):
                     raise UserError(f"validation loss is not finite at iteration {self.iter_num}; stopping without saving")
                 if wandb_run:
-                    wandb_run.log({"iter": self.iter_num, "train/loss": losses["train"], "val/loss": losses["val"],
-                                   "lr": lr, "mfu": running_mfu * 100}, step=self.iter_num)
+                    metrics = {"iter": self.iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr}
+                    if running_mfu >= 0:  # -1 until measured (never on a CPU)
+                        metrics["mfu"] = running_mfu * 100
+                    wandb_run.log(metrics, step=self.iter_num)
                 if cfg.eval_only:
                     break
                 improved = losses["val"] < self.best_val_loss
