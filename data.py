@@ -5,6 +5,8 @@ Each split is memory-mapped once. A batch is B random windows of block_size + 1
 tokens, gathered with one fancy-indexing call (no Python loop, no re-opening the
 file per batch); x is the window without its last token, y without its first.
 
+Evaluation can instead walk a whole split once, in order (whole_split_batches).
+
 The sampler owns its random generator, seeded per rank, so that
  - every data-parallel rank draws different batches, and
  - its state goes into checkpoints and a resumed run draws exactly the batches
@@ -54,22 +56,37 @@ class BatchSampler:
         self.batch_size = batch_size
         self.block_size = block_size
         self.device = torch.device(device)
-        self.offsets = torch.arange(block_size + 1)
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
 
     def next(self):
         starts = torch.randint(len(self.data) - self.block_size, (self.batch_size,), generator=self.generator)
-        windows = torch.from_numpy(self.data[(starts[:, None] + self.offsets).numpy()].astype(np.int64))
-        x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
-        if self.device.type == "cuda":
-            # pinned host memory lets the copy run asynchronously with the GPU's work
-            return (x.pin_memory().to(self.device, non_blocking=True),
-                    y.pin_memory().to(self.device, non_blocking=True))
-        return x.to(self.device), y.to(self.device)
+        return _windows(self.data, starts, self.block_size, self.device)
 
     def state_dict(self):
         return {"generator": self.generator.get_state()}
 
     def load_state_dict(self, state):
         self.generator.set_state(state["generator"])
+
+
+def whole_split_batches(data, batch_size, block_size, device="cpu", rank=0, world_size=1):
+    """Every token of a split once, in order: the split cut into consecutive windows of block_size + 1
+    tokens that overlap by one (each token after the first is a target exactly once; the last
+    (len - 1) % block_size targets, too few for a window, are left out), batch_size windows per batch.
+    With several processes, rank takes every world_size-th batch."""
+    n = (len(data) - 1) // block_size
+    starts = torch.arange(n) * block_size
+    for i in range(rank * batch_size, n, world_size * batch_size):
+        yield _windows(data, starts[i:i + batch_size], block_size, torch.device(device))
+
+
+def _windows(data, starts, block_size, device):
+    """(x, y) on device for the windows data[s : s + block_size + 1] of each start s, with one gather."""
+    windows = data[(starts[:, None] + torch.arange(block_size + 1)).numpy()].astype(np.int64)
+    windows = torch.from_numpy(windows)
+    x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    if device.type == "cuda":
+        # pinned host memory lets the copy run asynchronously with the GPU's work
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)

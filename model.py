@@ -87,6 +87,11 @@ class Head(nn.Module):
         self.dropout = dropout
 
     def forward(self, q, k, v):
+        if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+            # PyTorch's CPU attention kernels are several times slower in bfloat16 than in float32
+            # (BENCHMARKS.md), so attend in float32, with autocast off (it would cast back to bfloat16)
+            with torch.autocast("cpu", enabled=False):
+                return self(q.float(), k.float(), v.float()).to(q.dtype)
         # q holds the newest Tq positions, k and v all Tk positions seen so far
         # (Tk > Tq only when decoding with a KV cache).
         Tq, Tk = q.size(-2), k.size(-2)
@@ -239,8 +244,9 @@ class GPT(nn.Module):
             {"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        # the fused kernel is the fastest on CUDA; elsewhere the foreach (multi-tensor) one
-        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        # the fused kernel is the fastest on CUDA and on the CPU (there 5-25x faster than foreach,
+        # BENCHMARKS.md); elsewhere the foreach (multi-tensor) one
+        fused = device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
         extra = {"fused": True} if fused else {"foreach": True}
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
 

@@ -26,7 +26,7 @@ import torch
 import checkpoint
 import configurator
 from configurator import UserError
-from data import BatchSampler, load_meta, load_split
+from data import BatchSampler, load_meta, load_split, whole_split_batches
 from hardware import autocast, peak_flops, pick_device, pick_dtype
 from model import GPT, GPTConfig
 
@@ -43,6 +43,9 @@ class TrainConfig:
     log_interval: int = _(1, "print a training log line every this many iterations")
     eval_iters: int = _(200, "batches per split in each evaluation")
     eval_only: bool = _(False, "evaluate once and exit")
+    eval_at_start: bool = _(True, "evaluate before the first step too (False saves that time, e.g. in a speedrun)")
+    eval_whole_val: bool = _(False, "val loss over the whole val split in order (exact, the same windows every time; "
+                                     "one forward pass over it) instead of eval_iters random batches")
     always_save_checkpoint: bool = _(True, "write ckpt.pt at every evaluation, not only when val loss improves")
     ckpt_interval: int = _(1000, "also write ckpt.pt every this many iterations (0: only at evals and the end)")
     init_from: str = _("scratch", "scratch (new model), resume (continue from out_dir/ckpt.pt), or GPT-2 weights "
@@ -421,22 +424,29 @@ class Trainer:
 
     @torch.no_grad()
     def estimate_loss(self):
-        """Mean loss over eval_iters batches of each split, split over the ranks and averaged.
-        The batches come from a fixed seed, so successive evaluations compare like with like.
-        Every rank evaluates the same number of batches (an FSDP forward is a collective), rounded up."""
-        cfg = self.cfg
+        """Mean loss over eval_iters batches of each split (or the whole val split with eval_whole_val),
+        split over the ranks and averaged. The batches come from a fixed seed, so successive evaluations
+        compare like with like.
+        Every rank evaluates the same number of sampled batches (an FSDP forward is a collective), rounded up."""
+        cfg, ddp = self.cfg, self.ddp
         self.model.eval()
         out = {}
         for i, (split, data) in enumerate((("train", self.train_data), ("val", self.val_data))):
-            sampler = BatchSampler(data, cfg.batch_size, cfg.block_size,
-                                   seed=cfg.seed + 7919 * (i + 1) + self.ddp.rank, device=self.device)
-            totals = torch.zeros(2, device=self.device, dtype=torch.float64)
-            for _ in range(math.ceil(cfg.eval_iters / self.ddp.world_size)):
-                x, y = sampler.next()
+            if split == "val" and cfg.eval_whole_val:
+                batches = whole_split_batches(data, cfg.batch_size, cfg.block_size, self.device,
+                                              ddp.rank, ddp.world_size)
+            else:
+                sampler = BatchSampler(data, cfg.batch_size, cfg.block_size,
+                                       seed=cfg.seed + 7919 * (i + 1) + ddp.rank, device=self.device)
+                batches = (sampler.next() for _ in range(math.ceil(cfg.eval_iters / ddp.world_size)))
+            loss_sum, windows = torch.zeros((), device=self.device, dtype=torch.float64), 0
+            for x, y in batches:
                 with self.ctx:
                     _, loss = self.model(x, y)
-                totals += torch.stack([loss.double(), torch.ones((), device=self.device, dtype=torch.float64)])
-            all_reduce(totals)
+                loss_sum += loss.double() * len(x)  # weighted: the whole split's last batch can be smaller
+                windows += len(x)
+            totals = all_reduce(torch.stack([loss_sum, torch.tensor(float(windows), device=self.device,
+                                                                    dtype=torch.float64)]))
             out[split] = (totals[0] / totals[1]).item()
         self.model.train()
         return out
@@ -536,7 +546,8 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
 
-            if self.iter_num % cfg.eval_interval == 0 or self.iter_num >= cfg.max_iters or cfg.eval_only:
+            if (self.iter_num % cfg.eval_interval == 0 and (local_iter > 0 or cfg.eval_at_start)
+                    or self.iter_num >= cfg.max_iters or cfg.eval_only):
                 self.check_finite(sync=True)
                 losses = self.estimate_loss()
                 self.log(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
@@ -581,8 +592,9 @@ class Trainer:
                 if wandb_run:
                     wandb_run.log({"iter": self.iter_num, "train/loss_step": lossf, "lr": lr}, step=self.iter_num)
             # saving never waits for an evaluation: every ckpt_interval steps, on a signal, and right after
-            # the last step (before the final evaluation, which could fail)
-            stopping = stop.requested(ddp, self.device)
+            # the last step (before the final evaluation, which could fail). Under DDP, asking the other
+            # ranks about signals syncs with the device: only on steps that log (which sync anyway).
+            stopping = stop.requested(ddp, self.device, ask_ranks=self.iter_num % cfg.log_interval == 0)
             if stopping or self.iter_num == cfg.max_iters or (cfg.ckpt_interval
                                                              and self.iter_num % cfg.ckpt_interval == 0):
                 self.save(checkpoint.LATEST)
@@ -673,13 +685,17 @@ class StopFlag:
         self.name = signal.Signals(signum).name
         self.restore()
 
-    def requested(self, ddp, device):
+    def requested(self, ddp, device, ask_ranks=True):
+        """Has a signal come? Under DDP every rank must stop at the same step, so a signal counts only
+        on steps with ask_ranks (the same on every rank), where any rank's signal stops them all."""
         if not ddp.enabled:
             return self.name is not None
-        flag = all_reduce(torch.tensor([1.0 if self.name else 0.0], device=device), op="max")  # any rank stops them all
-        if flag.item() > 0 and self.name is None:
+        if not ask_ranks:
+            return False
+        flag = all_reduce(torch.tensor([1.0 if self.name else 0.0], device=device), op="max").item() > 0
+        if flag and self.name is None:
             self.name = "a signal on another rank"
-        return flag.item() > 0
+        return flag
 
     def restore(self):
         for sig, handler in self.previous.items():
