@@ -7,10 +7,11 @@ file per batch); x is the window without its last token, y without its first.
 
 Evaluation can instead walk a whole split once, in order (whole_split_batches).
 
-The sampler owns its random generator, seeded per rank, so that
+The sampler draws with its own random generator (not torch's global one), so that
  - every data-parallel rank draws different batches, and
  - its state goes into checkpoints and a resumed run draws exactly the batches
    the uninterrupted run would have drawn.
+train.py starts that generator where nanoGPT's get_batch would start (see Trainer).
 """
 
 import json
@@ -49,15 +50,20 @@ def load_split(data_dir, split, block_size):
 
 
 class BatchSampler:
-    """Random (x, y) batches of one split, drawn with the sampler's own generator."""
+    """Random (x, y) batches of one split, drawn with a generator of the sampler's own (from seed) or one
+    shared with other samplers (generator), as nanoGPT draws train and eval batches from one stream."""
 
-    def __init__(self, data, batch_size, block_size, seed, device="cpu"):
+    def __init__(self, data, batch_size, block_size, seed=None, device="cpu", generator=None):
+        if (seed is None) == (generator is None):
+            raise ValueError("give BatchSampler a seed or a generator")
         self.data = data
         self.batch_size = batch_size
         self.block_size = block_size
         self.device = torch.device(device)
-        self.generator = torch.Generator()
-        self.generator.manual_seed(seed)
+        if generator is None:
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+        self.generator = generator
 
     def next(self):
         starts = torch.randint(len(self.data) - self.block_size, (self.batch_size,), generator=self.generator)

@@ -276,8 +276,16 @@ class Trainer:
         # a non-finite loss is recorded on the device (no sync every step) and checked when logging/saving
         self.nonfinite_at = torch.full((), -1, dtype=torch.long, device=self.device)
 
-        self.train_sampler = BatchSampler(self.train_data, cfg.batch_size, cfg.block_size,
-                                          seed=cfg.seed + 1000 * self.ddp.rank + 1, device=self.device)
+        # The batches continue torch's random stream from just after the model's initialisation, where
+        # nanoGPT's get_batch draws them (other ranks: a stream of their own). So nanoGPT's config and seed
+        # give nanoGPT's run: the same initial weights, the same batches, the same losses (README, Results).
+        generator = torch.Generator()
+        if self.ddp.rank == 0:
+            generator.set_state(torch.get_rng_state())
+        else:
+            generator.manual_seed(cfg.seed + 1000 * self.ddp.rank + 1)
+        self.train_sampler = BatchSampler(self.train_data, cfg.batch_size, cfg.block_size, device=self.device,
+                                          generator=generator)
         torch.manual_seed(cfg.seed + self.ddp.rank)  # dropout differs between ranks
         random.seed(cfg.seed + self.ddp.rank)
         np.random.seed(cfg.seed + self.ddp.rank)
@@ -425,19 +433,19 @@ class Trainer:
     @torch.no_grad()
     def estimate_loss(self):
         """Mean loss over eval_iters batches of each split (or the whole val split with eval_whole_val),
-        split over the ranks and averaged. The batches come from a fixed seed, so successive evaluations
-        compare like with like.
+        split over the ranks and averaged. As in nanoGPT, the random batches come from the training
+        batches' stream (so a resumed run, which evaluates again at its first step, draws the same ones).
         Every rank evaluates the same number of sampled batches (an FSDP forward is a collective), rounded up."""
         cfg, ddp = self.cfg, self.ddp
         self.model.eval()
         out = {}
-        for i, (split, data) in enumerate((("train", self.train_data), ("val", self.val_data))):
+        for split, data in (("train", self.train_data), ("val", self.val_data)):
             if split == "val" and cfg.eval_whole_val:
                 batches = whole_split_batches(data, cfg.batch_size, cfg.block_size, self.device,
                                               ddp.rank, ddp.world_size)
             else:
-                sampler = BatchSampler(data, cfg.batch_size, cfg.block_size,
-                                       seed=cfg.seed + 7919 * (i + 1) + ddp.rank, device=self.device)
+                sampler = BatchSampler(data, cfg.batch_size, cfg.block_size, device=self.device,
+                                       generator=self.train_sampler.generator)
                 batches = (sampler.next() for _ in range(math.ceil(cfg.eval_iters / ddp.world_size)))
             loss_sum, windows = torch.zeros((), device=self.device, dtype=torch.float64), 0
             for x, y in batches:

@@ -81,7 +81,12 @@ class InstrumentedTrainer(train.Trainer):
         return x, y
 
     def estimate_loss(self):
+        # evaluation draws its batches from the training stream, and each of 2 ranks draws half as many as
+        # one process: with the shared stream, leave it where it was so that training batches still match
+        state = self.train_sampler.generator.get_state()
         losses = super().estimate_loss()
+        if SHARED:
+            self.train_sampler.generator.set_state(state)
         self.losses.append([self.iter_num, losses])
         return losses
 

@@ -103,12 +103,14 @@ def test_evaluation_runs_in_eval_mode_and_restores_train_mode(tmp_path, char_dat
     seen = []
     hooks = [m.register_forward_pre_hook(lambda m, _: seen.append(m.training)) for m in model.modules()]
     model.train()
+    batches = trainer.train_sampler.generator.get_state()  # evaluation draws from the training stream
     first = trainer.estimate_loss()
     assert seen and not any(seen)  # every module ran in eval mode
     assert all(m.training for m in model.modules())  # and train mode is back
     for h in hooks:
         h.remove()
-    # dropout is 0.5 but off during evaluation, on fixed batches: the same numbers again
+    # dropout is 0.5 but off during evaluation: the same batches again give the same numbers
+    trainer.train_sampler.generator.set_state(batches)
     assert trainer.estimate_loss() == first
     x, y = trainer.train_sampler.next()
     assert model(x, y)[1].item() != model(x, y)[1].item()  # dropout is active again in train mode
