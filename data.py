@@ -50,20 +50,15 @@ def load_split(data_dir, split, block_size):
 
 
 class BatchSampler:
-    """Random (x, y) batches of one split, drawn with a generator of the sampler's own (from seed) or one
-    shared with other samplers (generator), as nanoGPT draws train and eval batches from one stream."""
+    """Random (x, y) batches of one split, drawn with the given generator; several samplers can share one,
+    as nanoGPT draws train and eval batches from one stream."""
 
-    def __init__(self, data, batch_size, block_size, seed=None, device="cpu", generator=None):
-        if (seed is None) == (generator is None):
-            raise ValueError("give BatchSampler a seed or a generator")
+    def __init__(self, data, batch_size, block_size, generator, device="cpu"):
         self.data = data
         self.batch_size = batch_size
         self.block_size = block_size
-        self.device = torch.device(device)
-        if generator is None:
-            generator = torch.Generator()
-            generator.manual_seed(seed)
         self.generator = generator
+        self.device = torch.device(device)
 
     def next(self):
         starts = torch.randint(len(self.data) - self.block_size, (self.batch_size,), generator=self.generator)

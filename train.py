@@ -284,8 +284,7 @@ class Trainer:
             generator.set_state(torch.get_rng_state())
         else:
             generator.manual_seed(cfg.seed + 1000 * self.ddp.rank + 1)
-        self.train_sampler = BatchSampler(self.train_data, cfg.batch_size, cfg.block_size, device=self.device,
-                                          generator=generator)
+        self.train_sampler = BatchSampler(self.train_data, cfg.batch_size, cfg.block_size, generator, self.device)
         torch.manual_seed(cfg.seed + self.ddp.rank)  # dropout differs between ranks
         random.seed(cfg.seed + self.ddp.rank)
         np.random.seed(cfg.seed + self.ddp.rank)
@@ -444,8 +443,8 @@ class Trainer:
                 batches = whole_split_batches(data, cfg.batch_size, cfg.block_size, self.device,
                                               ddp.rank, ddp.world_size)
             else:
-                sampler = BatchSampler(data, cfg.batch_size, cfg.block_size, device=self.device,
-                                       generator=self.train_sampler.generator)
+                sampler = BatchSampler(data, cfg.batch_size, cfg.block_size, self.train_sampler.generator,
+                                       self.device)
                 batches = (sampler.next() for _ in range(math.ceil(cfg.eval_iters / ddp.world_size)))
             loss_sum, windows = torch.zeros((), device=self.device, dtype=torch.float64), 0
             for x, y in batches:

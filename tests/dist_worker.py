@@ -83,7 +83,7 @@ class InstrumentedTrainer(train.Trainer):
     def estimate_loss(self):
         # evaluation draws its batches from the training stream, and each of 2 ranks draws half as many as
         # one process: with the shared stream, leave it where it was so that training batches still match
-        state = self.train_sampler.generator.get_state()
+        state = self.train_sampler.generator.get_state() if SHARED else None
         losses = super().estimate_loss()
         if SHARED:
             self.train_sampler.generator.set_state(state)
