@@ -51,17 +51,26 @@ def audit(event, args):
 
 
 class InstrumentedTrainer(train.Trainer):
-    instance = None
+    # what the report needs, kept apart from the trainer: train.main frees the trainer before it leaves
+    # the process group, and a reference from here would keep the DDP model alive until exit
+    record = None
 
     def __init__(self, cfg):
-        InstrumentedTrainer.instance = self
         self.batches, self.losses, self.grad_norms = [], [], []
         self.allreduces = Counter()
+        InstrumentedTrainer.record = {"batches": self.batches, "losses": self.losses,
+                                      "grad_norms": self.grad_norms, "allreduces": self.allreduces, "iter_num": 0}
         self.pending = []
         self.signalled = False
         super().__init__(cfg)
         if SHARED and self.iter_num == 0:  # (a resumed run restored the shared stream's state)
             self.train_sampler.generator.manual_seed(cfg.seed)  # the same stream on every rank
+
+    def train(self):
+        try:
+            super().train()
+        finally:
+            InstrumentedTrainer.record["iter_num"] = self.iter_num
 
     def next_batch(self):
         if self.ddp.rank == FAIL_RANK and self.iter_num >= FAIL_ITER:
@@ -108,7 +117,7 @@ def recording_clip_grad_norm(parameters, max_norm, **kwargs):
     """torch.nn.utils.clip_grad_norm_, also recording the norm before clipping."""
     norm = clip_grad_norm(parameters, max_norm, **kwargs)
     full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
-    InstrumentedTrainer.instance.grad_norms.append(full.item())
+    InstrumentedTrainer.record["grad_norms"].append(full.item())
     return norm
 
 
@@ -119,9 +128,9 @@ def main():
     train.Trainer = InstrumentedTrainer
     torch.nn.utils.clip_grad_norm_ = recording_clip_grad_norm
     configurator.run_main(train.main)
-    t = InstrumentedTrainer.instance
-    report = {"batches": t.batches, "losses": t.losses, "grad_norms": t.grad_norms, "writes": list(writes),
-              "allreduces": {str(k): v for k, v in sorted(t.allreduces.items())}, "iter_num": t.iter_num}
+    r = InstrumentedTrainer.record
+    report = {"batches": r["batches"], "losses": r["losses"], "grad_norms": r["grad_norms"], "writes": list(writes),
+              "allreduces": {str(k): v for k, v in sorted(r["allreduces"].items())}, "iter_num": r["iter_num"]}
     (REPORT_DIR / f"rank{RANK}.json").write_text(json.dumps(report))
 
 
