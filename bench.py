@@ -9,7 +9,7 @@ without it (re-running the whole context for every token, as nanoGPT), on the sa
 the same run, and whether the two paths produced the same tokens.
 
 mode=train: ms/iter and tokens/s (and MFU on GPUs) of train.py's own training step
-(Trainer.train_step: forward, backward, gradient clipping, AdamW) with its device, dtype,
+(Trainer.optimizer_step: forward, backward, gradient clipping, AdamW) with its device, dtype,
 autocast and compile settings.
 
 Every train.py setting is a setting here too, so training config files work as they are;
@@ -18,7 +18,6 @@ median of `repeats` measurements taken after `warmup` unmeasured ones.
 """
 
 import dataclasses
-import json
 import os
 import statistics
 import tempfile
@@ -29,20 +28,22 @@ import numpy as np
 import torch
 
 import configurator
-from configurator import UserError
-from data import load_meta
+import meta
+from configurator import setting
+from errors import UserError, run_main
+from hardware import describe as describe_device
 from hardware import peak_flops
-from train import TrainConfig, Trainer, _
+from train import TrainConfig, Trainer
 
 
 @dataclass
 class BenchConfig(TrainConfig):
-    mode: str = _("sample", "sample (generation with and without the KV cache) or train (one training step)")
-    warmup: int = _(1, "unmeasured runs (sample) or iterations (train) first")
-    repeats: int = _(3, "measured runs or iterations; the median is reported")
-    max_new_tokens: int = _(500, "mode=sample: tokens to generate per run (batch 1, greedy)")
-    prompt_len: int = _(8, "mode=sample: tokens in the random prompt")
-    threads: int = _(0, "CPU threads for PyTorch (0: its default, one per core)")
+    mode: str = setting("sample", "sample (generation with and without the KV cache) or train (one training step)")
+    warmup: int = setting(1, "unmeasured runs (sample) or iterations (train) first")
+    repeats: int = setting(3, "measured runs or iterations; the median is reported")
+    max_new_tokens: int = setting(500, "mode=sample: tokens to generate per run (batch 1, greedy)")
+    prompt_len: int = setting(8, "mode=sample: tokens in the random prompt")
+    threads: int = setting(0, "CPU threads for PyTorch (0: its default, one per core)")
 
     def validate(self):
         super().validate()
@@ -62,15 +63,14 @@ class BenchConfig(TrainConfig):
 def make_trainer(cfg, workdir, compile):
     """train.py's Trainer on a dataset of random tokens written to workdir: the model, device,
     dtype, autocast and optimizer exactly as a training run with these settings would have them."""
-    meta = load_meta(os.path.join(cfg.data_dir, cfg.dataset))  # the real vocabulary, if prepared
-    vocab = cfg.vocab_size or (meta or {}).get("vocab_size") or 50304
+    prepared = meta.read(os.path.join(cfg.data_dir, cfg.dataset))  # the real vocabulary, if prepared
+    vocab = cfg.vocab_size or (prepared.vocab_size if prepared else 50304)
     data_dir = os.path.join(workdir, "random")
     os.makedirs(data_dir)
     tokens = np.random.default_rng(cfg.seed).integers(0, vocab, size=64 * (cfg.block_size + 1), dtype=np.uint16)
     for split in ("train", "val"):
         tokens.tofile(os.path.join(data_dir, f"{split}.bin"))
-    with open(os.path.join(data_dir, "meta.json"), "w") as f:
-        json.dump({"vocab_size": vocab}, f)
+    meta.write(meta.DatasetMeta(tokenizer=None, vocab_size=vocab), data_dir)  # token ids without text
     run_cfg = dataclasses.replace(cfg, data_dir=workdir, dataset="random", out_dir=os.path.join(workdir, "out"),
                                   vocab_size=vocab, init_from="scratch", wandb_log=False, compile=compile)
     return Trainer(run_cfg)
@@ -85,7 +85,7 @@ def describe(trainer):
     mc = trainer.model_config
     return (f"model: {trainer.raw_model.get_num_params() / 1e6:.2f}M parameters ({mc.n_layer} layers, "
             f"{mc.n_head} heads, {mc.n_embd} wide, block_size {mc.block_size}, vocab {mc.vocab_size}); "
-            f"device {trainer.device}, {trainer.dtype}, {torch.get_num_threads()} CPU threads")
+            f"{describe_device(trainer.device, trainer.dtype)}")
 
 
 def bench_sample(cfg, workdir):
@@ -101,7 +101,7 @@ def bench_sample(cfg, workdir):
     def run(use_cache):
         sync(device)
         t0 = time.perf_counter()
-        with trainer.ctx:
+        with trainer.autocast:
             out = model.generate(prompt, cfg.max_new_tokens, temperature=0, use_cache=use_cache)
         sync(device)
         return time.perf_counter() - t0, out
@@ -139,7 +139,7 @@ def bench_train(cfg, workdir):
     for i in range(cfg.warmup + cfg.repeats):
         sync(trainer.device)
         t0 = time.perf_counter()
-        loss, x, y = trainer.train_step(x, y)
+        loss, x, y = trainer.optimizer_step(x, y)
         loss.item()  # wait for the step to finish
         dt = time.perf_counter() - t0
         print(f"  {'warm-up' if i < cfg.warmup else f'iter {i - cfg.warmup + 1}':8} {dt * 1000:10.1f} ms", flush=True)
@@ -165,4 +165,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    configurator.run_main(main)
+    run_main(main)

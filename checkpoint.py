@@ -1,147 +1,219 @@
 """
-Checkpoints: saving them so that no crash can corrupt one, loading them without
-running anyone's code, and rebuilding the model they hold.
+Checkpoints: what they hold, writing them so that no crash can corrupt one, and reading
+them (ours and nanoGPT's) without running anyone's code. Other modules ask a loaded
+Checkpoint for what they need; only this file knows the keys of the dict on disk.
 
 out_dir/ckpt.pt   the latest full training state, for init_from=resume
 out_dir/best.pt   the weights with the best validation loss, for sampling
 
-Both are plain dicts of tensors, numbers, strings, lists and dicts, so they load
-with torch.load(..., weights_only=True): a file that carries anything else (a
-pickled object that would run code) is refused.
+Both are plain dicts of tensors, numbers, strings, lists and dicts, so they load with
+torch.load(..., weights_only=True): a file that carries anything else is refused.
+
+    model, model_config, train_config, iter_num, best_val_loss, meta (the dataset's tokenizer)
+    ckpt.pt also: optimizer, scaler, ranks (per process: every RNG and the batch sampler), wandb_run_id
+
+Weights and optimizer state are full (unsharded) tensors on the CPU, the optimizer's keyed by
+parameter name: a checkpoint written by any number of processes, with DDP or FSDP, resumes
+under any other and loads in a single-process sample.py.
 """
 
 import os
-import pickle
-import re
-import zipfile
-from dataclasses import fields
+import random
+import sys
+from dataclasses import asdict, fields
 
+import numpy as np
 import torch
 
-from configurator import UserError
+import convert
+import meta
+from atomic import atomic_write, remove_stale_temps
+from errors import UserError
 from model import GPT, GPTConfig
+from safe_pickle import torch_load
 
 LATEST = "ckpt.pt"
 BEST = "best.pt"
 
 
-def save(state, path):
-    """Write state to path atomically: a temporary file in the same directory, flushed and
-    fsynced, then renamed over the old file. A process killed at any instant leaves either
-    the old complete checkpoint or the new complete one, never a half-written file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f"{_temp_prefix(path)}{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        # make the rename itself durable
-        dir_fd = os.open(directory, os.O_RDONLY)
+class Checkpoint:
+    """A checkpoint read from disk (see load)."""
+
+    def __init__(self, state, path):
+        self._state, self.path = state, path
+
+    @property
+    def model_config(self):
+        """The GPTConfig the checkpoint was trained with."""
+        saved = self._state["model_config"]
+        unknown = sorted(set(saved) - {f.name for f in fields(GPTConfig)})
+        if unknown:
+            raise UserError(f"{self.path} has model settings this model.py does not know ({', '.join(unknown)}); "
+                            f"it was written by another version of the code")
+        config = GPTConfig(**saved)
         try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            config.validate()
+        except ValueError as e:
+            raise UserError(f"the model config in {self.path} is invalid: {e}") from None
+        return config
+
+    def build_model(self):
+        """A GPT with the checkpoint's weights, on the CPU."""
+        model = GPT(self.model_config)
+        self.load_weights(model)
+        return model
+
+    def load_weights(self, model):
+        convert.load_weights(model, self._state["model"])
+
+    @property
+    def meta(self):
+        """The dataset metadata (tokenizer) it was trained with; None in nanoGPT's checkpoints."""
+        saved = self._state.get("meta") or self._state.get("tokenizer")  # "tokenizer": our earlier name
+        return meta.DatasetMeta.from_dict(saved, self.path) if saved else None
+
+    @property
+    def dataset(self):
+        """The dataset name of its training settings (nanoGPT's checkpoints call them config)."""
+        settings = self._state.get("train_config") or self._state.get("config") or {}
+        return settings.get("dataset")
+
+    iter_num = property(lambda self: self._state["iter_num"])
+    best_val_loss = property(lambda self: self._state.get("best_val_loss", float("inf")))
+    wandb_run_id = property(lambda self: self._state.get("wandb_run_id"))
+    optimizer_state = property(lambda self: self._state["optimizer"])
+    scaler_state = property(lambda self: self._state.get("scaler"))
+
+    def restore_rank(self, world, sampler):
+        """Put this rank's RNGs and batch sampler back where they were saved, when the checkpoint was written
+        by as many processes; returns how many wrote it (None: it does not say, as nanoGPT's)."""
+        ranks = self._state.get("ranks")
+        if ranks and len(ranks) == world.size:
+            restore_rank_state(ranks[world.rank], sampler)
+        return len(ranks) if ranks else None
+
+    def check_resume(self, cfg, data_meta):
+        """Refuse to resume with other model settings or on data with other tokens."""
+        mc = self.model_config
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "bias"):
+            if getattr(mc, name) != getattr(cfg, name):
+                raise UserError(f"{self.path} has {name}={getattr(mc, name)} but the config asks for "
+                                f"{getattr(cfg, name)}; resume with the same model settings or start from scratch")
+        if cfg.vocab_size is not None and cfg.vocab_size != mc.vocab_size:
+            raise UserError(f"{self.path} has vocab_size={mc.vocab_size} but the config asks for {cfg.vocab_size}; "
+                            f"leave vocab_size out to resume")
+        if mc.vocab_size < data_meta.vocab_size:
+            raise UserError(f"{self.path} has vocab_size={mc.vocab_size} but dataset {cfg.dataset} needs "
+                            f"{data_meta.vocab_size}; resume on the dataset it was trained on")
+        if self.meta is not None and not self.meta.same_tokens(data_meta):
+            raise UserError(f"{self.path} was trained on data with other tokens ({self.meta.tokenizer} with a "
+                            f"different character vocabulary) than dataset {cfg.dataset}; resume on the dataset "
+                            f"it was trained on")
+
+
+# ---------------------------------------------------------------------- building and saving
+
+
+def training_state(model_state, model_config, train_config, data_meta, iter_num, best_val_loss):
+    """What best.pt holds: the weights and what it takes to use them."""
+    return {"model": model_state, "model_config": asdict(model_config), "train_config": asdict(train_config),
+            "iter_num": iter_num, "best_val_loss": best_val_loss, "meta": data_meta.to_dict()}
+
+
+def resume_state(state, optimizer_state, scaler_state, rank_states, wandb_run_id):
+    """What ckpt.pt holds besides: everything a resumed run needs to continue bit for bit."""
+    return dict(state, optimizer=optimizer_state, scaler=scaler_state, ranks=rank_states,
+                wandb_run_id=wandb_run_id)
+
+
+def rank_state(sampler_state):
+    """One process's share of ckpt.pt: every RNG (dropout, ...) and its batch sampler."""
+    np_state = np.random.get_state()
+    rng = {"python": random.getstate(),
+           "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+           "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return {"rng": rng, "sampler": sampler_state}
+
+
+def restore_rank_state(state, sampler):
+    """Undo what happened to the RNGs and the sampler since rank_state(sampler.state_dict())."""
+    sampler.load_state_dict(state["sampler"])
+    rng = state["rng"]
+    random.setstate(_to_tuple(rng["python"]))
+    name, keys, *rest = rng["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _to_tuple(x):
+    return tuple(_to_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def model_state(model):
+    """Full weights on the CPU, gathered from every rank under FSDP (every rank must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def optimizer_state(model, optimizer):
+    """Full optimizer state on the CPU keyed by parameter name (every rank must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model, optimizer, state, sharded):
+    """Put saved optimizer state into optimizer: ours (keyed by name) or nanoGPT's (keyed by position)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    groups = state.get("param_groups") or [{}]
+    if groups[0].get("params") and isinstance(groups[0]["params"][0], int):
+        # keyed by position: a plain optimizer.state_dict(), as nanoGPT writes (same parameter order)
+        if sharded:
+            raise UserError("this checkpoint's optimizer state is keyed by position (nanoGPT's format); "
+                            "resume it once without FSDP (one process or --parallel=ddp), then with FSDP")
+        optimizer.load_state_dict(state)
+        return
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    for group in optimizer.param_groups:  # the round trip turns tuples into lists; keep AdamW's own types
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+
+
+def save(state, path):
+    """Write state to path atomically: a process killed at any instant leaves either the old complete
+    checkpoint or the new complete one, never a half-written file."""
+    try:
+        with atomic_write(path) as f:
+            torch.save(state, f)
     except OSError as e:  # a full disk, a quota, a vanished directory: the old checkpoint is still whole
         raise UserError(f"cannot write checkpoint {path} ({e.strerror or e}); the previous one is intact; "
                         f"free some space (or fix --out_dir) and resume with --init_from=resume") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
-def _temp_prefix(path):
-    return f".{os.path.basename(path)}.tmp."
-
-
-def remove_stale_temps(out_dir):
-    """Delete temporary files that a killed process left half-written (they can be gigabytes each)."""
-    prefixes = tuple(_temp_prefix(which) for which in (LATEST, BEST))
-    for name in os.listdir(out_dir):
-        if name.startswith(prefixes):
-            os.remove(os.path.join(out_dir, name))
-
-
-def load(path):
-    """Load a checkpoint dict safely (weights_only=True) onto the CPU; clear errors for bad files.
-    nanoGPT's ckpt.pt (model_args, its own weight names) comes back in this repository's layout."""
-    ckpt = read(path)
-    if not isinstance(ckpt, dict) or "model" not in ckpt:
-        raise UserError(f"{path} is not a model checkpoint (no 'model' weights in it)")
-    if "model_args" in ckpt and "model_config" not in ckpt:
-        import convert  # only for nanoGPT's checkpoints
-
-        ckpt = convert.from_nanogpt(ckpt, path)
-    return ckpt
-
-
-def read(path):
-    """torch.load a file of tensors and plain data (weights_only=True) onto the CPU; clear errors for bad files."""
-    if os.path.isdir(path):
-        raise UserError(f"{path} is a directory, not a checkpoint file")
-    if not os.path.isfile(path):
-        raise UserError(f"checkpoint {path} not found; train first (python train.py ...) or check --out_dir")
-    corrupt = f"checkpoint {path} is truncated or corrupt"
-    # torch.save has written zip files since PyTorch 1.6; anything else is damaged or not a checkpoint
-    if not zipfile.is_zipfile(path):
-        raise UserError(f"{corrupt} (not a PyTorch zip archive); use another checkpoint or train again")
+def prepare_out_dir(out_dir, writes):
+    """Check that out_dir can take checkpoints; the process that writes them (writes=True) creates it
+    and removes the temporary files a process killed while saving left there."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"out_dir {out_dir} is a file; pick a directory with --out_dir")
+    if not writes:
+        return
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if any(sign in str(e) for sign in _UNSAFE_SIGNS):
-            named = re.search(r"GLOBAL (\S+)", str(e))  # the function or class it asks for, e.g. posix.system
-            raise UserError(f"refusing to load {path}: it holds Python objects beyond tensors and plain data"
-                            f"{f' ({named[1]})' if named else ''}, which could run code when loaded; only load "
-                            f"checkpoints you trust") from None
-        # (torch's own message suggests weights_only=False: not advice to pass on for a damaged file)
-        raise UserError(f"{corrupt} (its data cannot be unpickled); use another checkpoint or train again") from None
-    except Exception as e:  # a damaged file fails in many ways inside torch.load
-        raise UserError(f"{corrupt} ({_first_line(e)}); use another checkpoint or train again") from None
-    return ckpt
+        os.makedirs(out_dir, exist_ok=True)
+        with atomic_write(os.path.join(out_dir, ".write_test")):
+            pass
+        os.remove(os.path.join(out_dir, ".write_test"))
+        remove_stale_temps(out_dir, (LATEST, BEST))
+    except OSError as e:
+        raise UserError(f"out_dir {out_dir} is not writable ({e.strerror}); pick another --out_dir") from None
 
 
-# what the weights_only unpickler says when a file asks it to build an object or call a function
-_UNSAFE_SIGNS = ("GLOBAL", "unrecognized function", "Can only create new object", "Can only build")
-
-
-def _first_line(e):
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else type(e).__name__
-
-
-def strip_prefix(state_dict, prefix="_orig_mod."):
-    """Weights of a torch.compile'd model carry an `_orig_mod.` prefix; drop it."""
-    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state_dict.items()}
-
-
-def model_config(ckpt):
-    """The GPTConfig a checkpoint was trained with."""
-    known = {f.name for f in fields(GPTConfig)}
-    return GPTConfig(**{k: v for k, v in ckpt["model_config"].items() if k in known})
-
-
-def build_model(ckpt):
-    """A GPT with the checkpoint's weights (on the CPU)."""
-    try:
-        model = GPT(model_config(ckpt))
-    except (ValueError, TypeError) as e:
-        raise UserError(f"the checkpoint's model config is invalid: {e}") from None
-    load_weights(model, ckpt)
-    return model
-
-
-def load_weights(model, ckpt):
-    """Copy the checkpoint's weights into model, with a clear error when they do not fit."""
-    state = strip_prefix(ckpt["model"])
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:
-        raise UserError(f"the checkpoint's weights do not fit the model: {_first_line(e)}") from None
-    missing = [k for k in missing if k != "lm_head.weight"]  # tied to tok_emb.weight
-    if missing or unexpected:
-        raise UserError(f"the checkpoint's weights do not match the model: missing {missing[:3]}, "
-                        f"unexpected {unexpected[:3]}")
+# ---------------------------------------------------------------------- finding and loading
 
 
 def find(out_dir, which="best"):
@@ -154,3 +226,62 @@ def find(out_dir, which="best"):
     if os.path.isfile(latest) or which == "latest":
         return latest
     raise UserError(f"no checkpoint in {out_dir} ({BEST} or {LATEST}); train first or check --out_dir")
+
+
+def load(path):
+    """Read a checkpoint safely onto the CPU; nanoGPT's ckpt.pt comes back in this repository's layout."""
+    path = str(path)
+    if os.path.isdir(path):
+        raise UserError(f"{path} is a directory, not a checkpoint file")
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path} not found; train first (python train.py ...) or check --out_dir")
+    state = torch_load(path)
+    if not isinstance(state, dict) or "model" not in state:
+        raise UserError(f"{path} is not a model checkpoint (no 'model' weights in it)")
+    if "model_args" in state and "model_config" not in state:
+        state = _from_nanogpt(state, path)
+    return Checkpoint(state, path)
+
+
+NANOGPT_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")
+
+
+def _from_nanogpt(state, path):
+    """Our layout from nanoGPT's ckpt.pt (model_args, nanoGPT's weight names).
+
+    The optimizer state is kept as it is: nanoGPT's configure_optimizers makes the same two
+    groups as ours (matrices and embeddings, then biases and gains) over the same parameters
+    in the same module order, so its entries line up with our parameters one to one.
+    """
+    args = state["model_args"]
+    if not isinstance(args, dict) or not {"n_layer", "n_head", "n_embd", "block_size", "vocab_size"} <= args.keys():
+        raise UserError(f"{path}: model_args must hold n_layer, n_head, n_embd, block_size and vocab_size")
+    extra = sorted(set(args) - set(NANOGPT_ARGS))
+    if extra:
+        raise UserError(f"{path}: model_args has settings nanoGPT's GPT does not ({', '.join(extra)}); "
+                        f"a modified nanoGPT's model cannot be loaded here")
+    model_config = {k: args[k] for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")}
+    model_config.update(dropout=args.get("dropout", 0.0), bias=args.get("bias", True), gelu="none")
+    out = dict(state, model=convert.from_gpt2_layout(state["model"], conv1d=False, source=path),
+               model_config=model_config)
+    if isinstance(out.get("best_val_loss"), torch.Tensor):  # nanoGPT stores it as a 0-d tensor
+        out["best_val_loss"] = out["best_val_loss"].item()
+    return out
+
+
+def load_model(init_from, out_dir, which="best", meta_path=None):
+    """The model to sample or evaluate, on the CPU, and its dataset metadata (tokenizer):
+    init_from=resume: the checkpoint in out_dir (best or latest); else GPT-2 weights (convert.py).
+    meta_path (--meta) overrides the tokenizer; a checkpoint without one (nanoGPT's) uses its
+    dataset's meta.json, else GPT-2 BPE, and says so on stderr."""
+    if init_from == "resume":
+        ckpt = load(find(out_dir, which))
+        model, data_meta = ckpt.build_model(), ckpt.meta
+        if data_meta is None and meta_path is None:
+            data_meta, source = meta.for_nanogpt(ckpt.dataset)
+            print(f"note: the checkpoint records no tokenizer; using {source} (--meta picks another)", file=sys.stderr)
+    else:
+        model, data_meta = convert.load_hf(init_from), convert.pretrained_meta(init_from)
+    if meta_path is not None:
+        data_meta = meta.from_path(meta_path)
+    return model, data_meta

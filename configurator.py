@@ -4,13 +4,13 @@ Typed configuration from config files and command-line overrides, nanoGPT style:
     python train.py config/train_shakespeare_char.py --batch_size=32 --compile=False
 
 Each script describes its settings as a dataclass whose fields carry a help text
-(`field(default=..., metadata={"help": "..."})`). Config files hold plain
+(`name: type = setting(default, "help")`). Config files hold plain
 `key = value` lines; the values are Python literals read with ast.literal_eval,
 so a config file is parsed, never executed. Later sources override earlier ones:
 dataclass defaults, then config files in order, then --key=value arguments.
 
-Any mistake raises UserError with one line naming the key; scripts turn it into
-`error: ...` on stderr and exit status 2.
+Any mistake raises UserError with one line naming the key (errors.py turns it into
+`error: ...` on stderr and exit status 2).
 """
 
 import ast
@@ -18,23 +18,12 @@ import dataclasses
 import sys
 import typing
 
-
-class UserError(Exception):
-    """A mistake in what the user asked for: reported as one line, exit status 2, no traceback."""
+from errors import UserError
 
 
-def fail(message, code=2):
-    """Print one error line to stderr and exit (status 2 by default)."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(code)
-
-
-def run_main(main_fn):
-    """Run a script's main, turning UserError into a one-line message and exit status 2."""
-    try:
-        main_fn()
-    except UserError as e:
-        fail(str(e))
+def setting(default, help):
+    """A settings field: its default and the help text that --help shows."""
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 def _type_name(tp):

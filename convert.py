@@ -33,14 +33,14 @@ import re
 
 import torch
 
-from checkpoint import build_model, load_weights, read, strip_prefix
-from configurator import UserError
-from data import load_meta
+import meta
+from atomic import atomic_write
+from errors import UserError, first_line
 from model import GPT, GPTConfig
+from safe_pickle import torch_load
 from tokenizer import GPT2_EOT
 
 GPT2_SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-GPT2_META = {"tokenizer": "gpt2", "vocab_size": 50257}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -80,6 +80,23 @@ def _gpt2_name(key):
 def _is_conv1d(our_key, tensor):
     # every matrix inside a block is a Conv1D in Hugging Face's GPT-2 (LayerNorm gains are vectors)
     return our_key.startswith("blocks.") and tensor.dim() == 2
+
+
+def strip_prefix(state_dict, prefix="_orig_mod."):
+    """Weights of a torch.compile'd model carry an `_orig_mod.` prefix; drop it."""
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state_dict.items()}
+
+
+def load_weights(model, state):
+    """Copy a state dict in our layout into model, with a clear error when it does not fit."""
+    try:
+        missing, unexpected = model.load_state_dict(strip_prefix(state), strict=False)
+    except RuntimeError as e:
+        raise UserError(f"the checkpoint's weights do not fit the model: {first_line(e)}") from None
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to tok_emb.weight
+    if missing or unexpected:
+        raise UserError(f"the checkpoint's weights do not match the model: missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]}")
 
 
 def from_gpt2_layout(state, conv1d, source):
@@ -217,8 +234,8 @@ def _read_tensors(path):
         try:
             return load_file(path)
         except (SafetensorError, OSError, ValueError) as e:
-            raise UserError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
-    state = read(path)  # pytorch_model.bin: torch.load with weights_only=True
+            raise UserError(f"{path} is not a readable safetensors file ({first_line(e)})") from None
+    state = torch_load(path)  # pytorch_model.bin: torch.load with weights_only=True
     if not isinstance(state, dict):
         raise UserError(f"{path} does not hold a dict of weights")
     return state
@@ -249,34 +266,53 @@ def load_hf(name_or_path, dropout=0.0):
     config = config_from_hf(_read_json(os.path.join(directory, "config.json")), directory, dropout)
     state = from_gpt2_layout(read_hf_weights(directory), conv1d=True, source=directory)
     model = GPT(config)
-    load_weights(model, {"model": state})
+    load_weights(model, state)
     return model
 
 
 def pretrained_meta(name_or_path):
     """The tokenizer of a Hugging Face checkpoint: the meta.json export.py writes next to it, else GPT-2 BPE."""
-    return load_meta(find_pretrained(name_or_path)) or dict(GPT2_META)
+    return meta.for_dataset(find_pretrained(name_or_path))
 
 
-def to_hf(ckpt):
-    """config.json (a dict) and tensors in Hugging Face GPT2LMHeadModel format from our checkpoint.
+def load_for_finetune(name_or_path, data_meta, dataset, block_size, dropout):
+    """GPT-2 weights to finetune on a dataset. They fix the model (n_layer, n_head, n_embd, bias, gelu,
+    vocab_size); a smaller block_size crops the position embedding; dropout is the caller's."""
+    want = pretrained_meta(name_or_path)
+    if not data_meta.same_tokens(want):
+        raise UserError(f"dataset {dataset} is tokenized with {data_meta.tokenizer}, but {name_or_path} was "
+                        f"trained with {want.tokenizer}; prepare the data with that tokenizer (for GPT-2 BPE: "
+                        f"python prepare.py shakespeare, or prepare.py text --tokenizer gpt2)")
+    model = load_hf(name_or_path, dropout)
+    mc = model.config
+    if data_meta.vocab_size > mc.vocab_size:
+        raise UserError(f"dataset {dataset} has {data_meta.vocab_size} tokens, more than {name_or_path}'s "
+                        f"vocab_size {mc.vocab_size}")
+    if block_size > mc.block_size:
+        raise UserError(f"block_size {block_size} is larger than {name_or_path}'s {mc.block_size}; "
+                        f"use --block_size={mc.block_size} or less")
+    if block_size < mc.block_size:
+        model.crop_block_size(block_size)
+    return model
+
+
+def to_hf(model, data_meta):
+    """config.json (a dict) and tensors in Hugging Face GPT2LMHeadModel format from our model.
 
     Refuses a model GPT-2's format cannot express (a GPTConfig field beyond GPT-2's). The exact
     GELU is Hugging Face's "gelu", the tanh one "gelu_new". A model without biases (bias=False)
     is written with zero biases: adding zero is exactly what leaving the bias out computes, so
     the export gives the same logits; importing it back gives bias=True with those zeros.
     """
-    defaults = GPTConfig()
-    for key, value in ckpt["model_config"].items():
-        if key not in _EXPRESSIBLE and getattr(defaults, key, object()) != value:
+    defaults, mc = GPTConfig(), model.config
+    for key, value in vars(mc).items():
+        if key not in _EXPRESSIBLE and getattr(defaults, key) != value:
             raise UserError(f"GPT-2's format cannot express {key}={value!r}; this model cannot be exported to it")
-    model = build_model(ckpt)
-    mc, state = model.config, model.state_dict()
+    state = model.state_dict()
     for key, weight in list(state.items()):
         bias = key[:-len("weight")] + "bias"
         if key.endswith(".weight") and not key.startswith(("tok_emb.", "pos_emb.", "lm_head.")) and bias not in state:
             state[bias] = torch.zeros(weight.size(0), dtype=weight.dtype)
-    tokenizer = ckpt.get("tokenizer") or {}
     config = {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": mc.vocab_size, "n_positions": mc.block_size, "n_embd": mc.n_embd, "n_layer": mc.n_layer,
@@ -286,75 +322,24 @@ def to_hf(ckpt):
         "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
         "use_cache": True, "dtype": str(model.tok_emb.weight.dtype).removeprefix("torch."),
     }
-    if tokenizer.get("tokenizer") == "gpt2":
+    if data_meta is not None and data_meta.tokenizer == "gpt2":
         config.update(bos_token_id=GPT2_EOT, eos_token_id=GPT2_EOT)
     return config, to_hf_state(state)
 
 
-def write_hf(directory, config, tensors, meta=None):
-    """Write config.json, model.safetensors (and our tokenizer meta.json) into a new or empty directory."""
-    from safetensors.torch import save_file
+def write_hf(directory, config, tensors, data_meta=None):
+    """Write config.json, model.safetensors (and our tokenizer's meta.json) into a new or empty directory."""
+    from safetensors.torch import save
 
     if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
         raise UserError(f"{directory} already exists and is not an empty directory; pick a new one")
     try:
         os.makedirs(directory, exist_ok=True)
-        files = {"model.safetensors": lambda p: save_file(tensors, p, metadata={"format": "pt"}),
-                 "config.json": lambda p: _write_json(config, p)}
-        if meta:
-            files["meta.json"] = lambda p: _write_json(meta, p)
-        for name, write in files.items():
-            tmp = os.path.join(directory, f".{name}.tmp")
-            write(tmp)
-            os.replace(tmp, os.path.join(directory, name))
+        with atomic_write(os.path.join(directory, "model.safetensors")) as f:
+            f.write(save(tensors, metadata={"format": "pt"}))
+        with atomic_write(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+        if data_meta is not None:
+            meta.write(meta.DatasetMeta(data_meta.tokenizer, data_meta.vocab_size, data_meta.chars), directory)
     except OSError as e:
         raise UserError(f"cannot write to {directory} ({e.strerror}); pick another directory") from None
-
-
-def _write_json(value, path):
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-
-
-# ---------------------------------------------------------------------- nanoGPT
-
-
-NANOGPT_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")
-
-
-def from_nanogpt(ckpt, path):
-    """Our checkpoint dict from nanoGPT's ckpt.pt (model_args, nanoGPT's weight names).
-
-    The optimizer state is kept as it is: nanoGPT's configure_optimizers makes the same two
-    groups as ours (matrices and embeddings, then biases and gains) over the same parameters
-    in the same module order, so its entries line up with our parameters one to one.
-    """
-    args = ckpt["model_args"]
-    if not isinstance(args, dict) or not {"n_layer", "n_head", "n_embd", "block_size", "vocab_size"} <= args.keys():
-        raise UserError(f"{path}: model_args must hold n_layer, n_head, n_embd, block_size and vocab_size")
-    extra = sorted(set(args) - set(NANOGPT_ARGS))
-    if extra:
-        raise UserError(f"{path}: model_args has settings nanoGPT's GPT does not ({', '.join(extra)}); "
-                        f"a modified nanoGPT's model cannot be loaded here")
-    model_config = {k: args[k] for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")}
-    model_config.update(dropout=args.get("dropout", 0.0), bias=args.get("bias", True), gelu="none")
-    out = dict(ckpt, model=from_gpt2_layout(ckpt["model"], conv1d=False, source=path), model_config=model_config)
-    if isinstance(out.get("best_val_loss"), torch.Tensor):  # nanoGPT stores it as a 0-d tensor
-        out["best_val_loss"] = out["best_val_loss"].item()
-    return out
-
-
-def nanogpt_meta(ckpt, data_root="data"):
-    """The tokenizer of a checkpoint that records none (nanoGPT's), and where it came from.
-
-    nanoGPT's sample.py reads data/<dataset>/meta.pkl, a pickle, which we do not load; we read
-    meta.json from the same directory (prepare.py writes one), else assume GPT-2 BPE, as nanoGPT does.
-    """
-    dataset = (ckpt.get("config") or {}).get("dataset")
-    if isinstance(dataset, str) and dataset:
-        directory = os.path.join(data_root, dataset)
-        meta = load_meta(directory)
-        if meta:
-            return meta, os.path.join(directory, "meta.json")
-    return dict(GPT2_META), "GPT-2 BPE (no meta.json found)"

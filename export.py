@@ -12,25 +12,22 @@ nanoGPT's ckpt.pt exports too (--out_dir=its out_dir --ckpt=latest).
 """
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import checkpoint
 import configurator
 import convert
-from configurator import UserError
+from configurator import setting
+from errors import UserError, run_main
 
 USAGE = "python export.py [--out_dir=DIR] [--ckpt=best|latest] [--to=hf] DEST  (DEST: a new or empty directory)"
 
 
-def _(default, help):
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class ExportConfig:
-    out_dir: str = _("out", "training output directory (or a checkpoint file) to export")
-    ckpt: str = _("best", "best (best.pt) or latest (ckpt.pt)")
-    to: str = _("hf", "format: hf (Hugging Face GPT2LMHeadModel: config.json + model.safetensors in DEST)")
+    out_dir: str = setting("out", "training output directory (or a checkpoint file) to export")
+    ckpt: str = setting("best", "best (best.pt) or latest (ckpt.pt)")
+    to: str = setting("hf", "format: hf (Hugging Face GPT2LMHeadModel: config.json + model.safetensors in DEST)")
 
 
 def main(argv=None):
@@ -45,11 +42,10 @@ def main(argv=None):
         raise UserError(f"ckpt must be best or latest, got {cfg.ckpt!r}")
     path = checkpoint.find(cfg.out_dir, cfg.ckpt)
     ckpt = checkpoint.load(path)
-    config, tensors = convert.to_hf(ckpt)
-    meta = {k: v for k, v in (ckpt.get("tokenizer") or {}).items() if k in ("tokenizer", "vocab_size", "chars")}
-    convert.write_hf(dests[0], config, tensors, meta)
+    config, tensors = convert.to_hf(ckpt.build_model(), ckpt.meta)
+    convert.write_hf(dests[0], config, tensors, ckpt.meta)
     print(f"wrote {dests[0]}/config.json and model.safetensors from {path}")
 
 
 if __name__ == "__main__":
-    configurator.run_main(main)
+    run_main(main)

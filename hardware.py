@@ -2,15 +2,21 @@
 Device and precision: which device to run on, which dtype, and the autocast context.
 
     device: auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
-    dtype:  auto (bfloat16 on CUDA GPUs that support it, else float16 on CUDA,
-            float32 elsewhere) | float32 | bfloat16 | float16
+    dtype:  auto | float32 | bfloat16 | float16
+
+dtype=auto picks bfloat16 on CUDA GPUs that support it (else float16, trained with a
+GradScaler), and on the CPU bfloat16 only where the CPU computes it natively (AVX-512
+BF16 or AMX, as oneDNN reports): elsewhere a CPU emulates bfloat16 about 50x slower than
+float32, so auto picks float32 there. Asking for a half-precision dtype that the CPU
+only emulates still trains, with a one-line warning.
 """
 
+import sys
 from contextlib import nullcontext
 
 import torch
 
-from configurator import UserError
+from errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,9 +25,7 @@ def pick_device(name="auto"):
     if name == "auto":
         if torch.cuda.is_available():
             return "cuda"
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return "mps"
-        return "cpu"
+        return "mps" if _mps_available() else "cpu"
     kind = name.split(":")[0]
     if kind not in ("cpu", "cuda", "mps") or (kind != "cuda" and ":" in name):
         raise UserError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps")
@@ -31,9 +35,22 @@ def pick_device(name="auto"):
         index = name.split(":")[1] if ":" in name else "0"
         if not index.isdigit() or int(index) >= torch.cuda.device_count():
             raise UserError(f"device {name} does not exist; this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+    if kind == "mps" and not _mps_available():
         raise UserError("device mps asked for, but MPS is not available here; use --device=cpu")
     return name
+
+
+def _mps_available():
+    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+
+
+def cpu_native(dtype):
+    """Does this CPU compute dtype (bfloat16 or float16) natively? oneDNN knows (AVX-512 BF16 / FP16, AMX)."""
+    if dtype == "bfloat16":
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == "float16":
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return True
 
 
 def pick_dtype(name, device):
@@ -41,12 +58,14 @@ def pick_dtype(name, device):
     if name == "auto":
         if device_type == "cuda":
             return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        if device_type == "cpu" and cpu_native("bfloat16"):
+            return "bfloat16"
         return "float32"
     if name not in DTYPES:
         raise UserError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
-    if name == "float16" and device_type != "cuda":
-        raise UserError(f"dtype float16 needs a CUDA device (it trains with a GradScaler); "
-                        f"use --dtype=bfloat16 or --dtype=float32 on {device_type}")
+    if device_type == "cpu" and not cpu_native(name):
+        print(f"warning: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native {name}: it emulates "
+              f"it, many times slower than float32 (--dtype=auto picks the fast one)", file=sys.stderr)
     return name
 
 
@@ -56,6 +75,16 @@ def autocast(device, dtype):
     if dtype == "float32" or device_type == "mps":
         return nullcontext()
     return torch.autocast(device_type=device_type, dtype=DTYPES[dtype])
+
+
+def describe(device, dtype):
+    """One line for logs: where it runs and in which precision (on the CPU: its capability and threads)."""
+    if device.startswith("cuda"):
+        return f"device {device} ({torch.cuda.get_device_name(device)}), dtype {dtype}"
+    if device == "cpu":
+        return (f"device cpu ({torch.backends.cpu.get_cpu_capability()}, native bfloat16: "
+                f"{'yes' if cpu_native('bfloat16') else 'no'}, {torch.get_num_threads()} threads), dtype {dtype}")
+    return f"device {device}, dtype {dtype}"
 
 
 def peak_flops(device):

@@ -7,6 +7,8 @@ It follows GPT-2 (pre-LayerNorm blocks, learned position embedding, tied
 input/output embedding, GELU MLP 4x wide) and keeps nanoGPT's API:
 `GPT(GPTConfig(...))`, `model(idx, targets) -> (logits, loss)`,
 `model.generate(...)`, `configure_optimizers(...)`, `estimate_mfu(...)`.
+(GPT-2's published weights load through convert.py, which knows their layout;
+this file imports nothing else of the project.)
 
 Generation uses a KV cache (`KVCache`): one pass over the prompt, then one
 position per new token. The cached path gives the same tokens as re-running
@@ -34,7 +36,8 @@ class GPTConfig:
     gelu: str = "none"  # GELU approximation: "none" (exact erf) or "tanh" (GPT-2's weights use tanh)
 
     def validate(self):
-        """Raise ValueError naming the first field that cannot build a model."""
+        """Raise ValueError naming the first field that cannot build a model. (The one place that
+        checks the model's settings: train.py turns the ValueError into a one-line error.)"""
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -115,7 +118,8 @@ class MultiHeadAttention(nn.Module):
         self.n_head = config.n_head
         self.head_size = config.n_embd // config.n_head
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # W_Q, W_K, W_V of all heads
-        self.head = Head(config.dropout)
+        # one Head computes every head's attention at once: the heads are a batch dimension
+        self.heads = Head(config.dropout)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -126,7 +130,7 @@ class MultiHeadAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, self.head_size).transpose(1, 2) for t in (q, k, v))
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)
-        y = self.head(q, k, v)
+        y = self.heads(q, k, v)  # (B, n_head, T, head_size)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # concatenate the heads
         return self.resid_dropout(self.proj(y))
 
@@ -219,15 +223,6 @@ class GPT(nn.Module):
             logits = self.lm_head(x[:, -1:, :])
             loss = None
         return logits, loss
-
-    @classmethod
-    def from_pretrained(cls, name_or_path, dropout=0.0):
-        """GPT-2 weights from a Hugging Face checkpoint: gpt2, gpt2-medium, gpt2-large or gpt2-xl from
-        the local Hugging Face cache, or a directory with config.json and model.safetensors (or
-        pytorch_model.bin). No download, no `transformers`; the conversion lives in convert.py."""
-        import convert
-
-        return convert.load_hf(name_or_path, dropout)
 
     def crop_block_size(self, block_size):
         """Shrink the context, e.g. to finetune GPT-2 (block 1024) with a smaller block_size."""

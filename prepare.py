@@ -13,14 +13,16 @@ large corpus never has to fit in memory as one string.
 """
 
 import argparse
-import json
 import os
 import urllib.request
+from contextlib import ExitStack
 
 import numpy as np
 from tqdm import tqdm
 
-from configurator import UserError, run_main
+import meta
+from atomic import atomic_write
+from errors import UserError, run_main
 from tokenizer import CharTokenizer, GPT2Tokenizer
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -61,60 +63,52 @@ def scan(path):
 
 
 def prepare(input_path, out_dir, tokenizer_kind="char", val_fraction=0.1):
-    """Tokenize input_path into out_dir/train.bin, val.bin and meta.json; return the meta dict."""
+    """Tokenize input_path into out_dir/train.bin, val.bin and meta.json; return the DatasetMeta."""
     if not os.path.isfile(input_path):
         raise UserError(f"input file {input_path} does not exist; pass an existing text file with --input")
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"--val_fraction must be between 0 and 1, got {val_fraction}")
     n_chars, chars = scan(input_path)
-    if tokenizer_kind == "char":
-        tok = CharTokenizer(sorted(chars))
-    elif tokenizer_kind == "gpt2":
-        tok = GPT2Tokenizer()
-    else:
+    if tokenizer_kind not in ("char", "gpt2"):
         raise UserError(f"unknown tokenizer {tokenizer_kind!r}; use char or gpt2")
+    tok = CharTokenizer(sorted(chars)) if tokenizer_kind == "char" else GPT2Tokenizer()
     if tok.vocab_size > 65536:
         raise UserError(f"{input_path} has {tok.vocab_size} distinct characters, more than uint16 can hold; "
                         f"use --tokenizer gpt2")
-    split_at = int(n_chars * (1 - val_fraction))  # first 90% of the characters train, the rest validate
-
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {s: os.path.join(out_dir, f"{s}.bin") for s in ("train", "val")}
-    counts = {"train": 0, "val": 0}
-    files = {s: open(p + ".tmp", "wb") for s, p in paths.items()}
-    paths["meta"] = os.path.join(out_dir, "meta.json")
     try:
-        pos = 0
-        with tqdm(total=n_chars, unit="char", unit_scale=True, desc="tokenizing",
-                  disable=n_chars < CHUNK_BYTES) as bar:
-            for text in read_chunks(input_path, progress=False):
-                cut = min(max(split_at - pos, 0), len(text))
-                for split, part in (("train", text[:cut]), ("val", text[cut:])):
-                    if part:
-                        ids = np.array(tok.encode(part), dtype=np.uint16)
-                        ids.tofile(files[split])
-                        counts[split] += len(ids)
-                pos += len(text)
-                bar.update(len(text))
-        for f in files.values():
-            f.close()
-        meta = tok.meta()
-        meta.update({"train_tokens": counts["train"], "val_tokens": counts["val"],
-                     "source": os.path.abspath(input_path)})
-        with open(paths["meta"] + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(meta, f, ensure_ascii=False, indent=1)
-        # only now replace what was there: a failure above leaves an existing dataset untouched
-        for p in paths.values():
-            os.replace(p + ".tmp", p)
-    finally:
-        for f in files.values():
-            f.close()
-        for p in paths.values():
-            if os.path.exists(p + ".tmp"):
-                os.remove(p + ".tmp")
-
+        os.makedirs(out_dir, exist_ok=True)
+        # every file is written beside its old version and replaced only when all are complete:
+        # a failure (a full disk, a bad byte late in the file) leaves an existing dataset untouched
+        with ExitStack() as files:
+            bins = {split: files.enter_context(atomic_write(os.path.join(out_dir, f"{split}.bin")))
+                    for split in ("train", "val")}
+            counts = write_tokens(input_path, tok, bins, split_at=int(n_chars * (1 - val_fraction)),
+                                  n_chars=n_chars)
+            data_meta = meta.DatasetMeta.of(tok, train_tokens=counts["train"], val_tokens=counts["val"],
+                                            source=os.path.abspath(input_path))
+            meta.write(data_meta, out_dir)
+    except OSError as e:
+        raise UserError(f"cannot write the dataset in {out_dir} ({e.strerror or e}); free some space or pick "
+                        f"another --data_dir (nothing there was changed)") from None
     print(f"{out_dir}: vocab_size {tok.vocab_size}, train {counts['train']:,} tokens, val {counts['val']:,} tokens")
-    return meta
+    return data_meta
+
+
+def write_tokens(input_path, tok, bins, split_at, n_chars):
+    """Encode the text chunk by chunk: characters before split_at into bins["train"], the rest into
+    bins["val"], as raw uint16. Returns the token counts."""
+    counts, pos = {"train": 0, "val": 0}, 0
+    with tqdm(total=n_chars, unit="char", unit_scale=True, desc="tokenizing", disable=n_chars < CHUNK_BYTES) as bar:
+        for text in read_chunks(input_path, progress=False):
+            cut = min(max(split_at - pos, 0), len(text))
+            for split, part in (("train", text[:cut]), ("val", text[cut:])):
+                if part:
+                    ids = np.array(tok.encode(part), dtype=np.uint16)
+                    ids.tofile(bins[split])
+                    counts[split] += len(ids)
+            pos += len(text)
+            bar.update(len(text))
+    return counts
 
 
 def download_shakespeare(data_dir):
@@ -122,7 +116,6 @@ def download_shakespeare(data_dir):
     path = os.path.join(data_dir, "shakespeare_char", "input.txt")
     if os.path.isfile(path):
         return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
         with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as r:
             body = r.read()
@@ -130,9 +123,9 @@ def download_shakespeare(data_dir):
         reason = getattr(e, "reason", None) or e
         raise UserError(f"cannot download Tiny Shakespeare ({reason}); "
                         f"give a local copy with --input PATH/TO/input.txt") from None
-    with open(path + ".tmp", "wb") as f:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with atomic_write(path) as f:
         f.write(body)
-    os.replace(path + ".tmp", path)
     return path
 
 

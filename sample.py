@@ -16,51 +16,58 @@ is produced (--stream), the others when the batch is done. A sample ends at
 <|endoftext|> for GPT-2 BPE models, or after max_new_tokens.
 """
 
-import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 import checkpoint
 import configurator
-import convert
-from configurator import UserError
-from data import load_meta
+from configurator import setting
+from errors import UserError, run_main
 from hardware import autocast, pick_device, pick_dtype
-from model import GPT
-from tokenizer import from_meta
-
-
-def _(default, help):
-    return field(default=default, metadata={"help": help})
-
 
 @dataclass
 class SampleConfig:
-    init_from: str = _("resume", "resume (the checkpoint in out_dir), a GPT-2 size (gpt2, gpt2-medium, gpt2-large, "
-                                  "gpt2-xl: from the local Hugging Face cache) or a Hugging Face GPT-2 directory")
-    out_dir: str = _("out", "training output directory (or a checkpoint file) to sample from")
-    meta: Optional[str] = _(None, "tokenizer for checkpoints without one (nanoGPT, Hugging Face): a meta.json "
-                                  "from prepare.py or its dataset directory")
-    ckpt: str = _("best", "best (best val loss, best.pt) or latest (ckpt.pt)")
-    start: str = _("\n", "prompt text, or FILE:path to read the prompt from a file")
-    num_samples: int = _(10, "samples to draw (generated together as one batch)")
-    max_new_tokens: int = _(500, "tokens to generate per sample")
-    temperature: float = _(0.8, "0: greedy (argmax); <1 sharper, >1 more random")
-    top_k: Optional[int] = _(200, "sample only among the k most likely tokens (None: all)")
-    top_p: Optional[float] = _(None, "nucleus sampling: the smallest set of tokens with probability >= top_p")
-    stop: Optional[str] = _(None, "end each sample where it first produces this text, of any length (a blank line: "
-                                  "--stop=$'\\n\\n' in bash); the text is cut there. BPE models also stop at "
-                                  "<|endoftext|>")
-    seed: int = _(1337, "random seed")
-    device: str = _("auto", "auto, cpu, cuda, cuda:N or mps")
-    dtype: str = _("auto", "auto, float32, bfloat16 or float16")
-    compile: bool = _(False, "torch.compile the model")
-    use_cache: bool = _(True, "KV cache (False: re-run the whole context for every token, as nanoGPT)")
-    stream: bool = _(True, "print the first sample as it is produced (the batch is generated together: "
-                           "the other samples are printed when it is done); False: print all at the end")
+    init_from: str = setting("resume", "resume (the checkpoint in out_dir), a GPT-2 size (gpt2, gpt2-medium, "
+                                       "gpt2-large, gpt2-xl: from the local Hugging Face cache) or a Hugging Face "
+                                       "GPT-2 directory")
+    out_dir: str = setting("out", "training output directory (or a checkpoint file) to sample from")
+    meta: Optional[str] = setting(None, "tokenizer for checkpoints without one (nanoGPT, Hugging Face): a "
+                                        "meta.json from prepare.py or its dataset directory")
+    ckpt: str = setting("best", "best (best val loss, best.pt) or latest (ckpt.pt)")
+    start: str = setting("\n", "prompt text, or FILE:path to read the prompt from a file")
+    num_samples: int = setting(10, "samples to draw (generated together as one batch)")
+    max_new_tokens: int = setting(500, "tokens to generate per sample")
+    temperature: float = setting(0.8, "0: greedy (argmax); <1 sharper, >1 more random")
+    top_k: Optional[int] = setting(200, "sample only among the k most likely tokens (None: all)")
+    top_p: Optional[float] = setting(None, "nucleus sampling: the smallest set of tokens with probability >= top_p")
+    stop: Optional[str] = setting(None, "end each sample where it first produces this text, of any length (a "
+                                        "blank line: --stop=$'\\n\\n' in bash); the text is cut there. BPE models "
+                                        "also stop at <|endoftext|>")
+    seed: int = setting(1337, "random seed")
+    device: str = setting("auto", "auto, cpu, cuda, cuda:N or mps")
+    dtype: str = setting("auto", "auto, float32, bfloat16 or float16")
+    compile: bool = setting(False, "torch.compile the model")
+    use_cache: bool = setting(True, "KV cache (False: re-run the whole context for every token, as nanoGPT)")
+    stream: bool = setting(True, "print the first sample as it is produced (the batch is generated together: "
+                                 "the other samples are printed when it is done); False: print all at the end")
+
+    def validate(self):
+        for name in ("num_samples", "max_new_tokens"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k <= 0:
+            raise UserError(f"top_k must be positive, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.ckpt not in ("best", "latest"):
+            raise UserError(f"ckpt must be best or latest, got {self.ckpt!r}")
+        if self.stop == "":
+            raise UserError("--stop is empty; give the text that ends a sample, e.g. --stop=ROMEO:")
 
 
 def read_prompt(start):
@@ -128,26 +135,6 @@ class SampleText:
         return new
 
 
-def load_model(cfg):
-    """The model to sample from and its tokenizer's metadata."""
-    if cfg.init_from == "resume":
-        ckpt = checkpoint.load(checkpoint.find(cfg.out_dir, cfg.ckpt))
-        model, meta = checkpoint.build_model(ckpt), ckpt.get("tokenizer")
-        if meta is None and cfg.meta is None:  # a nanoGPT checkpoint
-            meta, source = convert.nanogpt_meta(ckpt)
-            print(f"note: the checkpoint records no tokenizer; using {source} (--meta picks another)", file=sys.stderr)
-    else:
-        meta = convert.pretrained_meta(cfg.init_from)
-        model = GPT.from_pretrained(cfg.init_from)
-    if cfg.meta is not None:
-        is_dir = os.path.isdir(cfg.meta)
-        named_meta = os.path.basename(cfg.meta) == "meta.json"
-        meta = load_meta(cfg.meta if is_dir else os.path.dirname(cfg.meta) or ".") if is_dir or named_meta else None
-        if meta is None:
-            raise UserError(f"--meta: {cfg.meta} is not a meta.json file or a directory holding one")
-    return model, meta
-
-
 def encode(tokenizer, text, what):
     """Token ids of text; a character outside a char-level vocabulary is an error naming `what`."""
     try:
@@ -158,31 +145,10 @@ def encode(tokenizer, text, what):
 
 def main(argv=None):
     cfg = configurator.parse(SampleConfig, argv, usage="python sample.py [--key=value ...]", extra_files_ok=False)
-    for name in ("num_samples", "max_new_tokens"):
-        if getattr(cfg, name) <= 0:
-            raise UserError(f"{name} must be positive, got {getattr(cfg, name)}")
-    if cfg.temperature < 0:
-        raise UserError(f"temperature must be >= 0, got {cfg.temperature}")
-    if cfg.top_k is not None and cfg.top_k <= 0:
-        raise UserError(f"top_k must be positive, got {cfg.top_k}")
-    if cfg.top_p is not None and not 0 < cfg.top_p <= 1:
-        raise UserError(f"top_p must be in (0, 1], got {cfg.top_p}")
-    if cfg.ckpt not in ("best", "latest"):
-        raise UserError(f"ckpt must be best or latest, got {cfg.ckpt!r}")
+    cfg.validate()
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
-
-    model, meta = load_model(cfg)
-    tokenizer = from_meta(meta)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise UserError(f"the model has {model.config.vocab_size} tokens but the {tokenizer.kind} tokenizer has "
-                        f"{tokenizer.vocab_size}: it was trained with another one; give its meta.json with --meta")
-    model.eval().to(device)
-    if cfg.compile:
-        # in place, so that generate's calls to the model run compiled (torch.compile(model) would return
-        # a wrapper whose generate calls the original); dynamic shapes: no recompile per prompt length
-        model.compile(dynamic=True)
-
+    model, tokenizer = load_for_sampling(cfg, device)
     prompt = read_prompt(cfg.start)
     if not prompt:
         raise UserError("the prompt is empty; give some text with --start")
@@ -192,25 +158,42 @@ def main(argv=None):
         print(f"note: the prompt has {len(ids)} tokens; keeping its last {block_size} (block_size)", file=sys.stderr)
         ids = ids[-block_size:]
     if cfg.stop is not None:
-        if not cfg.stop:
-            raise UserError("--stop is empty; give the text that ends a sample, e.g. --stop=ROMEO:")
         encode(tokenizer, cfg.stop, "--stop")  # text the model cannot produce would never stop a sample
-    stop_tokens = [tokenizer.eot_token] if tokenizer.eot_token is not None else None
+    with torch.no_grad(), autocast(device, dtype):
+        print_samples(cfg, model, tokenizer, prompt, torch.tensor(ids, dtype=torch.long, device=device))
 
+
+def load_for_sampling(cfg, device):
+    """The model (in eval mode, on device, compiled if asked) and its tokenizer."""
+    model, data_meta = checkpoint.load_model(cfg.init_from, cfg.out_dir, cfg.ckpt, cfg.meta)
+    tokenizer = data_meta.make_tokenizer()
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise UserError(f"the model has {model.config.vocab_size} tokens but the {tokenizer.kind} tokenizer has "
+                        f"{tokenizer.vocab_size}: it was trained with another one; give its meta.json with --meta")
+    model.eval().to(device)
+    if cfg.compile:
+        # in place, so that generate's calls to the model run compiled (torch.compile(model) would return
+        # a wrapper whose generate calls the original); dynamic shapes: no recompile per prompt length
+        model.compile(dynamic=True)
+    return model, tokenizer
+
+
+def print_samples(cfg, model, tokenizer, prompt, ids):
+    """Generate num_samples continuations of ids as one batch; stream the first, then print them all."""
+    stop_tokens = [tokenizer.eot_token] if tokenizer.eot_token is not None else None
     torch.manual_seed(cfg.seed)
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    x = torch.tensor(ids, dtype=torch.long, device=device)[None].repeat(cfg.num_samples, 1)
+    generator = torch.Generator(device=ids.device).manual_seed(cfg.seed)
     samples = [SampleText(tokenizer, cfg.stop, stop_tokens or ()) for _ in range(cfg.num_samples)]
     if cfg.stream:
         print(prompt, end="", flush=True)
-    with torch.no_grad(), autocast(device, dtype):
-        for tok in model.generate_stream(x, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, stop_tokens,
-                                         generator, cfg.use_cache, vocab_size=tokenizer.vocab_size):
-            pieces = [sample.add(t) for sample, t in zip(samples, tok.tolist())]
-            if cfg.stream and pieces[0]:
-                print(pieces[0], end="", flush=True)
-            if all(sample.done for sample in samples):
-                break  # every sample met its stop text (stop tokens end generate_stream itself)
+    for tok in model.generate_stream(ids[None].repeat(cfg.num_samples, 1), cfg.max_new_tokens, cfg.temperature,
+                                     cfg.top_k, cfg.top_p, stop_tokens, generator, cfg.use_cache,
+                                     vocab_size=tokenizer.vocab_size):
+        pieces = [sample.add(t) for sample, t in zip(samples, tok.tolist())]
+        if cfg.stream and pieces[0]:
+            print(pieces[0], end="", flush=True)
+        if all(sample.done for sample in samples):
+            break  # every sample met its stop text (stop tokens end generate_stream itself)
     for i, sample in enumerate(samples):
         rest = sample.finish()
         print(rest if cfg.stream and i == 0 else prompt + sample.text)
@@ -218,4 +201,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    configurator.run_main(main)
+    run_main(main)

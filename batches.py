@@ -14,24 +14,19 @@ The sampler draws with its own random generator (not torch's global one), so tha
 train.py starts that generator where nanoGPT's get_batch would start (see Trainer).
 """
 
-import json
 import os
 
 import numpy as np
 import torch
 
-from configurator import UserError
+import meta
+from errors import UserError
 
 
-def load_meta(data_dir):
-    path = os.path.join(data_dir, "meta.json")
-    if not os.path.isfile(path):
-        return None  # nanoGPT's GPT-2 datasets (openwebtext) come without one
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path} is not valid JSON ({e}); run prepare.py again") from None
+def load_dataset(directory, block_size):
+    """A prepared dataset: its metadata and the memmapped train and val token arrays."""
+    return meta.for_dataset(directory), load_split(directory, "train", block_size), \
+        load_split(directory, "val", block_size)
 
 
 def load_split(data_dir, split, block_size):

@@ -1,0 +1,50 @@
+"""
+Writing files so that a crash never leaves half of one.
+
+atomic_write(path) hands out a temporary file beside path; only when the block ends
+without an exception is the file flushed, fsynced and renamed over path (and the rename
+made durable). A process killed at any instant leaves either the old complete file or
+the new complete one. Temporary files are named `.NAME.tmp.PID`, so that a later run can
+find and remove what a killed one left (remove_stale_temps).
+"""
+
+import os
+from contextlib import contextmanager
+
+
+def temp_path(path):
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.tmp.{os.getpid()}")
+
+
+@contextmanager
+def atomic_write(path, mode="wb", **open_kwargs):
+    """with atomic_write(path) as f: write to f; path is replaced only if the block succeeds."""
+    tmp = temp_path(path)
+    try:
+        with open(tmp, mode, **open_kwargs) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_directory(os.path.dirname(os.path.abspath(path)))
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _fsync_directory(directory):
+    """Make a rename inside directory durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temps(directory, names):
+    """Delete the temporary files of names in directory that a killed process left (they can be gigabytes)."""
+    prefixes = tuple(f".{name}.tmp." for name in names)
+    for entry in os.listdir(directory):
+        if entry.startswith(prefixes):
+            os.remove(os.path.join(directory, entry))

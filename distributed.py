@@ -1,0 +1,127 @@
+"""
+Data-parallel training under torchrun: joining the job, wrapping the model (DDP replicates
+it, FSDP shards it), skipping the gradient sync on all but the last micro-step, and the few
+collectives the training loop needs. In a single process everything here is a no-op.
+
+    torchrun --standalone --nproc_per_node=8 train.py ...   (NCCL on GPUs, gloo on CPUs)
+"""
+
+import os
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from errors import UserError
+from hardware import pick_device
+
+
+@dataclass
+class World:
+    """This process's place among the training processes (a single process: rank 0 of 1)."""
+    distributed: bool = False
+    rank: int = 0
+    local_rank: int = 0
+    size: int = 1
+
+    @property
+    def is_master(self):
+        """Rank 0 writes checkpoints, logs and wandb."""
+        return self.rank == 0
+
+
+def setup(device_name):
+    """Join the torchrun job if there is one (env:// rendezvous); pick this process's device."""
+    device = pick_device(device_name)
+    if "RANK" not in os.environ:
+        return World(), device
+    import torch.distributed as dist
+
+    rank, local_rank, size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if device == "mps":
+        raise UserError("torchrun on mps is not supported (no collective backend for it); train in one process, "
+                        "or add --device=cpu")
+    backend = "gloo"
+    if device.startswith("cuda"):
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"process {local_rank} on this node has no GPU of its own ({torch.cuda.device_count()} "
+                            f"GPUs here); start at most that many with torchrun --nproc_per_node")
+        device, backend = f"cuda:{local_rank}", "nccl"  # one process per GPU
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend, device_id=torch.device(device) if backend == "nccl" else None)
+    return World(True, rank, local_rank, size), device
+
+
+def teardown(finished):
+    """Leave the process group, if any. After a normal end, first wait until every rank is done: gloo
+    aborts a process whose peer hangs up while it is still exchanging data. After an error, leave at
+    once (the other ranks then fail on their next collective, or torchrun stops them)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if finished:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def micro_steps(gradient_accumulation_steps, world):
+    """This rank's share of the global micro-batches per optimizer step."""
+    if gradient_accumulation_steps % world.size:
+        raise UserError(f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be divisible by "
+                        f"the number of processes ({world.size})")
+    return gradient_accumulation_steps // world.size
+
+
+def all_reduce(tensor, op="sum"):
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor
+
+
+def gather_objects(obj, world):
+    """A list with every rank's obj (just [obj] in a single process)."""
+    if not world.distributed:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * world.size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def shard(model):
+    """FSDP: each block's parameters (then the rest) are split across the ranks. Call it before
+    building the optimizer, which must see the sharded parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def replicate(model, world, device_type):
+    """DDP: every rank holds the whole model; gradients are all-reduced in backward."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[world.local_rank] if device_type == "cuda" else None)
+
+
+def gradient_sync(model, raw_model, world, parallel, sync):
+    """The context for one micro-step's backward: with sync=False the gradients stay local (DDP's
+    no_sync, FSDP's requires_gradient_sync), so they are exchanged once per optimizer step."""
+    if sync or not world.distributed:
+        return nullcontext()
+    if parallel == "fsdp":
+        return _fsdp_no_sync(raw_model)
+    return model.no_sync()  # a compiled model forwards this to the DDP module it wraps
+
+
+@contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -1,0 +1,45 @@
+"""
+Stopping training cleanly: Ctrl-C or SIGTERM (a cluster's preemption, `kill`, torchrun passing
+one on) asks the loop to finish its step, save and exit 0. A second signal acts as usual, so
+Ctrl-C twice interrupts at once (the atomic save leaves the previous checkpoint whole).
+"""
+
+import signal
+
+import torch
+
+from distributed import all_reduce
+
+
+class StopFlag:
+    """Catches SIGINT and SIGTERM until restore(); requested() says whether the loop should stop."""
+
+    def __init__(self):
+        self.name = None
+        self.previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+
+    def _handle(self, signum, frame):
+        self.name = signal.Signals(signum).name
+        self.restore()
+
+    def requested(self, world, device, ask_ranks=True):
+        """Has a signal come? Under torchrun every rank must stop at the same step, so a signal counts
+        only on steps with ask_ranks (the same on every rank), where any rank's signal stops them all."""
+        if not world.distributed:
+            return self.name is not None
+        if not ask_ranks:
+            return False
+        flag = all_reduce(torch.tensor([1.0 if self.name else 0.0], device=device), op="max").item() > 0
+        if flag and self.name is None:
+            self.name = "a signal on another rank"
+        return flag
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(sig, handler)
