@@ -39,7 +39,8 @@ from train import TrainConfig, Trainer
 @dataclass
 class BenchConfig(TrainConfig):
     mode: str = setting("sample", "sample (generation with and without the KV cache) or train (one training step)")
-    warmup: int = setting(1, "unmeasured runs (sample) or iterations (train) first")
+    warmup: int = setting(1, "unmeasured runs (sample) or iterations (train) before the measured ones (compilation, "
+                             "caches)")
     repeats: int = setting(3, "measured runs or iterations; the median is reported")
     max_new_tokens: int = setting(500, "mode=sample: tokens to generate per run (batch 1, greedy)")
     prompt_len: int = setting(8, "mode=sample: tokens in the random prompt")

@@ -27,7 +27,7 @@ import torch
 
 import convert
 import meta
-from atomic import atomic_write, remove_stale_temps
+from fileio import atomic_write, remove_stale_temps
 from errors import UserError
 from model import GPT, GPTConfig
 from safe_pickle import torch_load

@@ -34,7 +34,7 @@ import re
 import torch
 
 import meta
-from atomic import atomic_write
+from fileio import atomic_write, read_json_object
 from errors import UserError, first_line
 from model import GPT, GPTConfig
 from safe_pickle import torch_load
@@ -183,17 +183,6 @@ def find_pretrained(name_or_path):
                     f"nor an existing directory with a Hugging Face GPT-2 checkpoint")
 
 
-def _read_json(path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise UserError(f"{path} does not hold a JSON object")
-    return value
-
-
 def config_from_hf(hf, source, dropout=0.0):
     """The GPTConfig of a Hugging Face GPT-2 config.json, refusing what this GPT would compute differently."""
     def refuse(why):
@@ -251,7 +240,7 @@ def read_hf_weights(directory):
         raise UserError(f"{directory} has no weights ({' or '.join(WEIGHT_FILES[::2])})")
     if not name.endswith(".index.json"):
         return _read_tensors(path)
-    weight_map = _read_json(path).get("weight_map")
+    weight_map = read_json_object(path, "").get("weight_map")
     if not isinstance(weight_map, dict):
         raise UserError(f"{path} has no weight_map")
     state = {}
@@ -263,7 +252,7 @@ def read_hf_weights(directory):
 def load_hf(name_or_path, dropout=0.0):
     """A GPT holding a Hugging Face GPT-2 checkpoint (see GPT.from_pretrained)."""
     directory = find_pretrained(name_or_path)
-    config = config_from_hf(_read_json(os.path.join(directory, "config.json")), directory, dropout)
+    config = config_from_hf(read_json_object(os.path.join(directory, "config.json"), ""), directory, dropout)
     state = from_gpt2_layout(read_hf_weights(directory), conv1d=True, source=directory)
     model = GPT(config)
     load_weights(model, state)

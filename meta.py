@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
-from atomic import atomic_write
+from fileio import atomic_write, read_json_object
 from errors import UserError
 from tokenizer import GPT2_VOCAB_SIZE, CharTokenizer, GPT2Tokenizer
 
@@ -72,14 +72,7 @@ def read(directory):
     path = os.path.join(directory, FILENAME)
     if not os.path.isfile(path):
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path} is not valid JSON ({e}); run prepare.py again") from None
-    if not isinstance(d, dict):
-        raise UserError(f"{path} does not hold a JSON object; run prepare.py again")
-    return DatasetMeta.from_dict(d, path)
+    return DatasetMeta.from_dict(read_json_object(path, "; run prepare.py again"), path)
 
 
 def write(meta, directory):

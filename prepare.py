@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 import meta
-from atomic import atomic_write
+from fileio import atomic_write
 from errors import UserError, run_main
 from tokenizer import CharTokenizer, GPT2Tokenizer
 

@@ -329,13 +329,10 @@ class Trainer:
         self.saved_at[which] = self.iter_num
 
     def check_finite(self, sync=False):
-        """Stop (without saving) once a non-finite loss has been seen; sync=True (every rank calls it):
-        seen on any rank."""
-        bad = self.nonfinite_at.clone()
-        if sync and self.world.distributed:
-            distributed.all_reduce(bad, op="max")
-        if int(bad.item()) >= 0:
-            raise UserError(f"the loss became NaN or infinite in iteration {int(bad.item())}; {self._no_save}")
+        """Stop (without saving) once a non-finite loss has been seen; with sync (every rank calls it): on any rank."""
+        bad = int((distributed.all_reduce(self.nonfinite_at.clone(), op="max") if sync else self.nonfinite_at).item())
+        if bad >= 0:
+            raise UserError(f"the loss became NaN or infinite in iteration {bad}; {self._no_save}")
 
     @property
     def _no_save(self):

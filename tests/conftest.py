@@ -1,5 +1,7 @@
 """Shared test helpers: a small corpus each test writes itself, and running the scripts."""
 
+import contextlib
+import io
 import os
 import random
 import subprocess
@@ -29,8 +31,9 @@ def make_corpus(n_lines=600, seed=0):
     return "\n".join(lines) + "\n"
 
 
-def run(script, *args, cwd=ROOT, timeout=600, env=None, check=False):
-    """Run one of the repository's scripts with this interpreter; return the CompletedProcess."""
+def run(script, *args, cwd=ROOT, timeout=300, env=None, check=False):
+    """Run one of the repository's scripts in a new process (only where the process boundary is what a test
+    is about: exit status, signals, torchrun); return the CompletedProcess. Never waits past timeout."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", WANDB_SILENT="true")
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=cwd, env=full_env,
@@ -64,24 +67,48 @@ def char_data(tmp_path, corpus_file):
     from prepare import prepare
 
     data_dir = tmp_path / "data"
-    prepare(str(corpus_file), str(data_dir / "tiny"), "char")
+    with contextlib.redirect_stdout(io.StringIO()):
+        prepare(str(corpus_file), str(data_dir / "tiny"), "char")
     return data_dir
 
 
-def run_in_process(capsys, main, *args):
-    """Run a script's main(argv) in this process as its `__main__` block does (under configurator.run_main);
-    return (returncode, stdout, stderr) like run(). Much faster than a subprocess; an exception that
-    run_main does not turn into `error: ...` fails the test, as a traceback would show."""
-    import configurator
+@pytest.fixture(scope="module")
+def module_data(tmp_path_factory):
+    """The same dataset made once per test module (for module-scoped trained fixtures)."""
+    from prepare import prepare
 
-    capsys.readouterr()
-    try:
-        configurator.run_main(lambda: main([str(a) for a in args]))
-        returncode = 0
-    except SystemExit as e:
-        returncode = e.code
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(args, returncode, out, err)
+    root = tmp_path_factory.mktemp("data")
+    (root / "corpus.txt").write_text(make_corpus(), encoding="utf-8")
+    with contextlib.redirect_stdout(io.StringIO()):
+        prepare(str(root / "corpus.txt"), str(root / "data" / "tiny"), "char")
+    return root / "data"
+
+
+def run_in_process(main, *args, check=False):
+    """Run a script's main(argv) in this process as its `__main__` block does (under errors.run_main), with
+    stdout and stderr captured; return (returncode, stdout, stderr) like run(). Much faster than a subprocess;
+    an exception that run_main does not turn into `error: ...` fails the test, as a traceback would show."""
+    from errors import run_main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            run_main(lambda: main([str(a) for a in args]))
+            returncode = 0
+        except SystemExit as e:
+            returncode = e.code
+    proc = subprocess.CompletedProcess(args, returncode, out.getvalue(), err.getvalue())
+    if check and returncode != 0:
+        raise AssertionError(f"main({' '.join(map(str, args))}) exited {returncode}:\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-3000:]}")
+    return proc
+
+
+def train(*args, check=True):
+    """train.py's main in this process; returns the CompletedProcess-like result (stdout: the log)."""
+    import train as train_script
+
+    return run_in_process(train_script.main, *args, check=check)
 
 
 def assert_one_error_line(proc, *words):

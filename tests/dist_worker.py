@@ -1,14 +1,16 @@
 """
-train.py with instruments, for tests/test_distributed.py; run it like train.py, alone or under torchrun:
+train.py with instruments, for tests/test_distributed.py. Under torchrun, one process per rank:
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_worker.py --dataset=... ...
 
-Set through the environment (torchrun passes it on to every rank):
+or in the test's own process for single-process references: instrumented_run(argv, Instruments(...)).
 
-  REPORT_DIR      each rank writes REPORT_DIR/rank{R}.pid when it starts and REPORT_DIR/rank{R}.json when
-                  training returns: the batches it trained on, the val losses it computed, the gradient
-                  all-reduces per iteration (a counting DDP communication hook), the gradient norm of every
-                  optimizer step, and every file it opened for writing (an audit hook)
+Settings (under torchrun through the environment, which torchrun passes on to every rank):
+
+  REPORT_DIR      each rank writes REPORT_DIR/rank{R}.json when training returns: the batches it trained on,
+                  the val losses it computed, per iteration the gradient exchanges (DDP: calls of a counting
+                  communication hook, one per all-reduce; FSDP: calls of its reduce-scatter of a parameter
+                  group), the gradient norm of every optimizer step, and every file it opened for writing
   SHARED_BATCHES  "1": all ranks draw one global stream of micro-batches and rank r trains on the r-th
                   slice of each optimizer step's gradient_accumulation_steps batches, so a run with any
                   number of processes sees the same global batches as a single-process run
@@ -22,116 +24,145 @@ import os
 import signal
 import sys
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group  # noqa: E402
 
-import configurator  # noqa: E402
 import train  # noqa: E402
-
-RANK = int(os.environ.get("RANK", 0))
-REPORT_DIR = Path(os.environ["REPORT_DIR"])
-SHARED = os.environ.get("SHARED_BATCHES") == "1"
-FAIL_RANK, FAIL_ITER = int(os.environ.get("FAIL_RANK", -1)), int(os.environ.get("FAIL_ITER", 0))
-SIGTERM_RANK, SIGTERM_ITER = int(os.environ.get("SIGTERM_RANK", -1)), int(os.environ.get("SIGTERM_ITER", 0))
-
-writes = []  # paths this process opened for writing
-clip_grad_norm = torch.nn.utils.clip_grad_norm_
+from errors import UserError, run_main  # noqa: E402
 
 
-def audit(event, args):
-    if event == "open" and args[0] is not None and not str(args[0]).startswith(str(REPORT_DIR)):
-        path, mode, flags = args
-        if (mode and any(c in mode for c in "wax+")) or (mode is None and flags & (os.O_WRONLY | os.O_RDWR)):
-            writes.append(str(path))
-    elif event in ("os.rename", "os.mkdir", "os.remove"):
-        writes.append(str(args[1] if event == "os.rename" else args[0]))
+@dataclass
+class Instruments:
+    shared: bool = False
+    fail_rank: int = -1
+    fail_iter: int = 0
+    sigterm_rank: int = -1
+    sigterm_iter: int = 0
+    # what is recorded (kept apart from the trainer: train.main frees the trainer before it leaves the
+    # process group, and a reference from here would keep the DDP model alive until exit)
+    batches: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    grad_norms: list = field(default_factory=list)
+    exchanges: Counter = field(default_factory=Counter)
+    step: int = 0  # the optimizer step in progress (next_batch is called before each micro-step's backward)
+    iter_num: int = 0
+
+    def report(self):
+        return {"batches": self.batches, "losses": self.losses, "grad_norms": self.grad_norms,
+                "exchanges": {str(k): v for k, v in sorted(self.exchanges.items())}, "iter_num": self.iter_num}
 
 
-class InstrumentedTrainer(train.Trainer):
-    # what the report needs, kept apart from the trainer: train.main frees the trainer before it leaves
-    # the process group, and a reference from here would keep the DDP model alive until exit
-    record = None
+def instrumented_trainer(instruments):
+    """A train.Trainer subclass that records into instruments."""
+    rec = instruments
 
-    def __init__(self, cfg):
-        self.batches, self.losses, self.grad_norms = [], [], []
-        self.allreduces = Counter()
-        InstrumentedTrainer.record = {"batches": self.batches, "losses": self.losses,
-                                      "grad_norms": self.grad_norms, "allreduces": self.allreduces, "iter_num": 0}
-        self.pending = []
-        self.signalled = False
-        super().__init__(cfg)
-        if SHARED and self.iter_num == 0:  # (a resumed run restored the shared stream's state)
-            self.train_sampler.generator.manual_seed(cfg.seed)  # the same stream on every rank
+    class InstrumentedTrainer(train.Trainer):
+        def __init__(self, cfg):
+            self.pending, self.signalled = [], False
+            super().__init__(cfg)
+            if rec.shared and self.iter_num == 0:  # (a resumed run restored the shared stream's state)
+                self.train_sampler.generator.manual_seed(cfg.seed)  # the same stream on every rank
 
-    def train(self):
-        try:
-            super().train()
-        finally:
-            InstrumentedTrainer.record["iter_num"] = self.iter_num
+        def train(self):
+            try:
+                super().train()
+            finally:
+                rec.iter_num = self.iter_num
 
-    def next_batch(self):
-        if self.ddp.rank == FAIL_RANK and self.iter_num >= FAIL_ITER:
-            raise configurator.UserError(f"simulated failure on rank {self.ddp.rank} at iteration {self.iter_num}")
-        if self.ddp.rank == SIGTERM_RANK and self.iter_num == SIGTERM_ITER and not self.signalled:
-            self.signalled = True
-            os.kill(os.getpid(), signal.SIGTERM)
-        if not SHARED:
-            x, y = super().next_batch()
-        else:
-            if not self.pending:  # the first micro-step of an optimizer step: draw all its batches
-                self.batch_state = self.train_sampler.state_dict()
-                batches = [self.train_sampler.next() for _ in range(self.cfg.gradient_accumulation_steps)]
-                self.pending = batches[self.ddp.rank * self.accum:(self.ddp.rank + 1) * self.accum]
-            x, y = self.pending.pop(0)
-        self.batches.append(hashlib.sha1(x.cpu().numpy().tobytes()).hexdigest())
-        return x, y
+        def next_batch(self):
+            rank, rec.step = self.world.rank, self.iter_num
+            if rank == rec.fail_rank and self.iter_num >= rec.fail_iter:
+                raise UserError(f"simulated failure on rank {rank} at iteration {self.iter_num}")
+            if rank == rec.sigterm_rank and self.iter_num == rec.sigterm_iter and not self.signalled:
+                self.signalled = True
+                os.kill(os.getpid(), signal.SIGTERM)
+            if not rec.shared:
+                x, y = super().next_batch()
+            else:
+                if not self.pending:  # the first micro-step of an optimizer step: draw all its batches
+                    self.batch_state = self.train_sampler.state_dict()
+                    batches = [self.train_sampler.next() for _ in range(self.cfg.gradient_accumulation_steps)]
+                    self.pending = batches[rank * self.accum:(rank + 1) * self.accum]
+                x, y = self.pending.pop(0)
+            rec.batches.append(hashlib.sha1(x.cpu().numpy().tobytes()).hexdigest())
+            return x, y
 
-    def estimate_loss(self):
-        # evaluation draws its batches from the training stream, and each of 2 ranks draws half as many as
-        # one process: with the shared stream, leave it where it was so that training batches still match
-        state = self.train_sampler.generator.get_state() if SHARED else None
-        losses = super().estimate_loss()
-        if SHARED:
-            self.train_sampler.generator.set_state(state)
-        self.losses.append([self.iter_num, losses])
-        return losses
+        def estimate_loss(self):
+            # evaluation draws its batches from the training stream, and each of 2 ranks draws half as many as
+            # one process: with the shared stream, leave it where it was so that training batches still match
+            state = self.train_sampler.generator.get_state() if rec.shared else None
+            losses = super().estimate_loss()
+            if rec.shared:
+                self.train_sampler.generator.set_state(state)
+            rec.losses.append([self.iter_num, losses])
+            return losses
 
-    def _wrap(self, model):
-        model = super()._wrap(model)
-        ddp = getattr(model, "_orig_mod", model)  # under torch.compile
-        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        def _wrap(self, model):
+            model = super()._wrap(model)
+            ddp = getattr(model, "_orig_mod", model)  # under torch.compile
+            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-            def counting_allreduce(state, bucket):
-                self.allreduces[self.iter_num] += 1
-                return allreduce_hook(None, bucket)
+                def counting_allreduce(state, bucket):
+                    rec.exchanges[self.iter_num] += 1
+                    return allreduce_hook(None, bucket)
 
-            ddp.register_comm_hook(None, counting_allreduce)
-        return model
+                ddp.register_comm_hook(None, counting_allreduce)
+            return model
+
+    return InstrumentedTrainer
 
 
-def recording_clip_grad_norm(parameters, max_norm, **kwargs):
-    """torch.nn.utils.clip_grad_norm_, also recording the norm before clipping."""
-    norm = clip_grad_norm(parameters, max_norm, **kwargs)
-    full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
-    InstrumentedTrainer.record["grad_norms"].append(full.item())
-    return norm
+def instrumented_run(argv, instruments):
+    """train.main(argv) with the instruments in place (restored afterwards); returns the instruments."""
+    trainer_class, real = instrumented_trainer(instruments), (train.Trainer, torch.nn.utils.clip_grad_norm_,
+                                                              fsdp_param_group.foreach_reduce)
+    def clip_grad_norm_(parameters, max_norm, **kwargs):
+        """torch.nn.utils.clip_grad_norm_, also recording the norm before clipping."""
+        norm = real[1](parameters, max_norm, **kwargs)
+        full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
+        instruments.grad_norms.append(full.item())
+        return norm
+
+    def foreach_reduce(*args, **kwargs):
+        """FSDP's gradient reduce-scatter of one parameter group (skipped under requires_gradient_sync=False)."""
+        instruments.exchanges[instruments.step] += 1
+        return real[2](*args, **kwargs)
+
+    train.Trainer, torch.nn.utils.clip_grad_norm_, fsdp_param_group.foreach_reduce = \
+        trainer_class, clip_grad_norm_, foreach_reduce
+    try:
+        train.main(argv)
+    finally:
+        train.Trainer, torch.nn.utils.clip_grad_norm_, fsdp_param_group.foreach_reduce = real
+    return instruments
 
 
 def main():
-    REPORT_DIR.mkdir(parents=True, exist_ok=True)
-    (REPORT_DIR / f"rank{RANK}.pid").write_text(str(os.getpid()))
+    report_dir = Path(os.environ["REPORT_DIR"])
+    rank = int(os.environ.get("RANK", 0))
+    report_dir.mkdir(parents=True, exist_ok=True)
+    writes = []  # paths this process opened for writing
+
+    def audit(event, args):
+        if event == "open" and args[0] is not None and not str(args[0]).startswith(str(report_dir)):
+            path, mode, flags = args
+            if (mode and any(c in mode for c in "wax+")) or (mode is None and flags & (os.O_WRONLY | os.O_RDWR)):
+                writes.append(str(path))
+        elif event in ("os.rename", "os.mkdir", "os.remove"):
+            writes.append(str(args[1] if event == "os.rename" else args[0]))
+
     sys.addaudithook(audit)
-    train.Trainer = InstrumentedTrainer
-    torch.nn.utils.clip_grad_norm_ = recording_clip_grad_norm
-    configurator.run_main(train.main)
-    r = InstrumentedTrainer.record
-    report = {"batches": r["batches"], "losses": r["losses"], "grad_norms": r["grad_norms"], "writes": list(writes),
-              "allreduces": {str(k): v for k, v in sorted(r["allreduces"].items())}, "iter_num": r["iter_num"]}
-    (REPORT_DIR / f"rank{RANK}.json").write_text(json.dumps(report))
+    env = {k: int(os.environ.get(k.upper(), default)) for k, default in
+           (("fail_rank", -1), ("fail_iter", 0), ("sigterm_rank", -1), ("sigterm_iter", 0))}
+    instruments = Instruments(shared=os.environ.get("SHARED_BATCHES") == "1", **env)
+    run_main(lambda: instrumented_run(sys.argv[1:], instruments))
+    (report_dir / f"rank{rank}.json").write_text(json.dumps(dict(instruments.report(), writes=writes)))
 
 
 if __name__ == "__main__":

@@ -9,23 +9,27 @@ import shutil
 import pytest
 import torch
 
+import fileio
 import checkpoint
+import faults
 import sample
 import train
-from configurator import UserError
-from conftest import assert_one_error_line, make_corpus, run, run_in_process, tiny_train_args
+from conftest import assert_one_error_line, run_in_process, tiny_train_args
+from errors import UserError
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(module_data):
     """A small char dataset and a trained out_dir (ckpt.pt and best.pt), made once for this file."""
-    from prepare import prepare
-
-    root = tmp_path_factory.mktemp("trained")
-    (root / "corpus.txt").write_text(make_corpus(), encoding="utf-8")
-    prepare(str(root / "corpus.txt"), str(root / "data" / "tiny"), "char")
-    run("train.py", *tiny_train_args(root / "data", root / "out", max_iters=6, eval_interval=3), check=True)
+    root = module_data.parent
+    run_in_process(train.main, *tiny_train_args(module_data, root / "out", max_iters=6, eval_interval=3), check=True)
     return root
+
+
+def faulty_run(monkeypatch, args, **fault_settings):
+    """train.py in this process with faults injected (tests/faults.py); returns the CompletedProcess-like."""
+    faults.inject({k: str(v) for k, v in fault_settings.items()}, monkeypatch.setattr)
+    return run_in_process(train.main, *args)
 
 
 def load(path):
@@ -54,7 +58,7 @@ class RunsPython:
 
 
 @pytest.mark.parametrize("payload", [RunsShellCommand, RunsPython])
-def test_checkpoint_that_would_run_code_is_refused(tmp_path, capsys, trained, payload):
+def test_checkpoint_that_would_run_code_is_refused(tmp_path, trained, payload):
     marker = tmp_path / "MARKER"
     out = tmp_path / "out"
     out.mkdir()
@@ -64,9 +68,9 @@ def test_checkpoint_that_would_run_code_is_refused(tmp_path, capsys, trained, pa
     shutil.copy(out / "ckpt.pt", out / "best.pt")
     before = (out / "ckpt.pt").read_bytes()
 
-    proc = run_in_process(capsys, train.main, *tiny_train_args(trained / "data", out, init_from="resume"))
+    proc = run_in_process(train.main, *tiny_train_args(trained / "data", out, init_from="resume"))
     assert_one_error_line(proc, "refusing to load", "ckpt.pt", "could run code")
-    proc = run_in_process(capsys, sample.main, f"--out_dir={out}", "--device=cpu", "--max_new_tokens=5")
+    proc = run_in_process(sample.main, f"--out_dir={out}", "--device=cpu", "--max_new_tokens=5")
     assert_one_error_line(proc, "refusing to load", "best.pt", "could run code")
     assert not marker.exists()
     assert (out / "ckpt.pt").read_bytes() == before
@@ -124,26 +128,26 @@ def test_failed_save_leaves_the_old_checkpoint_whole(tmp_path, monkeypatch):
 
     # a full disk: the temporary file is written to /dev/full, which fails with ENOSPC
     real_open = open
-    monkeypatch.setattr(checkpoint, "open", lambda file, mode: real_open("/dev/full", mode), raising=False)
+    monkeypatch.setattr(fileio, "open", lambda file, mode, **kw: real_open("/dev/full", mode, **kw), raising=False)
     with pytest.raises(UserError, match="cannot write checkpoint .*ckpt.pt .*No space left on device.*intact"):
         checkpoint.save({"model": {"w": torch.zeros(1000)}}, str(path))
     monkeypatch.undo()
     # and a failure half way through serialising (an object torch.save cannot write)
-    with pytest.raises(Exception):
+    with pytest.raises(AttributeError, match="Can't (pickle|get local object)"):
         checkpoint.save({"model": {"w": torch.zeros(1000)}, "bad": lambda: 0}, str(path))
 
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary file left behind
-    assert torch.equal(checkpoint.load(str(path))["model"]["w"], torch.ones(3))
+    assert torch.equal(load(path)["model"]["w"], torch.ones(3))
 
 
-def test_saves_never_wait_for_an_evaluation(tmp_path, trained):
+def test_saves_never_wait_for_an_evaluation(tmp_path, trained, monkeypatch):
     """ckpt_interval and the final save work with evaluations that never come, or that crash."""
     out, log = tmp_path / "out", tmp_path / "saves.jsonl"
     args = tiny_train_args(trained / "data", out, max_iters=7, ckpt_interval=3, eval_interval=10**9)
     # evaluation 1 is at iteration 0; evaluation 2, after the last step, crashes
-    proc = run("tests/faulty_train.py", "eval_crash=2", f"save_log={log}", "--", *args)
-    assert proc.returncode == 1 and "injected evaluation crash" in proc.stderr
+    with pytest.raises(RuntimeError, match="injected evaluation crash"):
+        faulty_run(monkeypatch, args, eval_crash=2, save_log=log)
     saves = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(s["file"], s["iter_num"]) for s in saves] == [("ckpt.pt", 3), ("ckpt.pt", 6), ("ckpt.pt", 7)]
     assert load(out / "ckpt.pt")["iter_num"] == 7
@@ -160,11 +164,13 @@ def test_saves_never_wait_for_an_evaluation(tmp_path, trained):
     # a finite loss with overflowing gradients: the weights are NaN, so the save at 6 refuses
     ("nan_grads_at=6", 1, "the weights became NaN or infinite by iteration 6"),
 ])
-def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, trained, fault, log_interval, message):
+def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, trained, monkeypatch, fault,
+                                                                 log_interval, message):
     out, log = tmp_path / "out", tmp_path / "saves.jsonl"
     args = tiny_train_args(trained / "data", out, max_iters=12, ckpt_interval=2, eval_interval=10**9,
                            log_interval=log_interval)
-    proc = run("tests/faulty_train.py", fault, f"save_log={log}", "--", *args)
+    name, value = fault.split("=")
+    proc = faulty_run(monkeypatch, args, save_log=log, **{name: value})
     assert_one_error_line(proc, message, "stopping without saving", "untouched")
     saves = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(s["file"], s["iter_num"]) for s in saves] == [("ckpt.pt", 2), ("ckpt.pt", 4)]
@@ -175,7 +181,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, train
 # ---------------------------------------------------------------------- best vs latest
 
 
-def test_sample_uses_best_by_default_and_latest_on_request(tmp_path, capsys, trained):
+def test_sample_uses_best_by_default_and_latest_on_request(tmp_path, trained):
     out = tmp_path / "out"
     out.mkdir()
     latest = load(trained / "out" / "ckpt.pt")
@@ -184,7 +190,7 @@ def test_sample_uses_best_by_default_and_latest_on_request(tmp_path, capsys, tra
     torch.save(latest, out / "ckpt.pt")
 
     def generate(target, *extra):
-        proc = run_in_process(capsys, sample.main, f"--out_dir={target}", "--device=cpu", "--num_samples=1",
+        proc = run_in_process(sample.main, f"--out_dir={target}", "--device=cpu", "--num_samples=1",
                               "--max_new_tokens=40", "--start=ROMEO:", *extra)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout

@@ -1,7 +1,8 @@
 """Data-parallel training under torchrun: 2 CPU processes over gloo, a tiny model, a few steps.
 
 The runs go through tests/dist_worker.py, which is train.py with instruments: each rank reports the
-batches it trained on, its val losses, its gradient all-reduces and the files it wrote; with
+batches it trained on, its val losses, its gradient exchanges (DDP all-reduces, FSDP reduce-scatters)
+and the files it wrote; with
 SHARED_BATCHES=1 the ranks split one global stream of micro-batches, so a 2-process run must
 reproduce a single-process run that accumulates the same global batch.
 """
@@ -16,7 +17,10 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, make_corpus, run, tiny_train_args
+import distributed
+from conftest import ROOT, run_in_process, tiny_train_args
+from dist_worker import Instruments, instrumented_run
+from errors import UserError
 
 WORKER = "tests/dist_worker.py"
 TOL = 1e-6  # 2 processes sum the same gradients in another order than 1 process: float rounding only
@@ -61,26 +65,22 @@ def max_weight_diff(a, b):
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from prepare import prepare
-
-    root = tmp_path_factory.mktemp("dist")
-    (root / "corpus.txt").write_text(make_corpus(), encoding="utf-8")
-    prepare(str(root / "corpus.txt"), str(root / "data" / "tiny"), "char")
-    return root / "data"
+def data_dir(module_data):
+    return module_data
 
 
 @pytest.fixture(scope="module")
 def single(data_dir, tmp_path_factory):
-    """single(n): (checkpoint, rank-0 report) of a 1-process run of n steps on the shared batch stream."""
+    """single(n): (checkpoint, report) of a 1-process run of n steps on the shared batch stream, in this process."""
     done = {}
 
     def get(max_iters):
         if max_iters not in done:
-            root = tmp_path_factory.mktemp(f"single{max_iters}")
-            run(WORKER, *train_args(data_dir, root / "out", max_iters=max_iters),
-                env=worker_env(root / "report", SHARED_BATCHES=1), check=True)
-            done[max_iters] = ckpt(root / "out"), report(root / "report", 0)
+            out = tmp_path_factory.mktemp(f"single{max_iters}") / "out"
+            args = [str(a) for a in train_args(data_dir, out, max_iters=max_iters)]
+            instruments = Instruments(shared=True)
+            run_in_process(lambda argv: instrumented_run(argv, instruments), *args, check=True)
+            done[max_iters] = ckpt(out), instruments.report()
         return done[max_iters]
 
     return get
@@ -131,15 +131,21 @@ def test_fsdp_step_equals_single_process_checkpoint_samples_in_one_process_and_r
     out = tmp_path / "out"
     ok(torchrun(train_args(data_dir, out, max_iters=1, parallel="fsdp"), tmp_path / "r1", SHARED_BATCHES=1))
     check_one_step_equals_single_process(out, tmp_path / "r1", single)
+    # one reduce-scatter per FSDP group (2 blocks and the root) per step: the first of each rank's 2
+    # micro-steps keeps its gradients local (without that, 6)
+    assert report(tmp_path / "r1", 0)["exchanges"] == report(tmp_path / "r1", 1)["exchanges"] == {"0": 3}
     state = ckpt(out)
     assert state["model"]["tok_emb.weight"].shape == (state["model_config"]["vocab_size"], 32)  # not a shard
-    sample = run("sample.py", f"--out_dir={out}", "--ckpt=latest", "--num_samples=2", "--max_new_tokens=10",
-                 "--device=cpu", check=True)
+    import sample as sample_script
+
+    sample = run_in_process(sample_script.main, f"--out_dir={out}", "--ckpt=latest", "--num_samples=2",
+                            "--max_new_tokens=10", "--device=cpu", check=True)
     assert sample.stdout.count("---------------") == 2
 
     proc = ok(torchrun(train_args(data_dir, out, max_iters=4, parallel="fsdp", init_from="resume"),
                        tmp_path / "r2", SHARED_BATCHES=1))
     check_resumed_at(proc, out, 1, 4, single)
+    assert report(tmp_path / "r2", 1)["exchanges"] == {"1": 3, "2": 3, "3": 3}
 
 
 def test_one_gradient_allreduce_per_step_distinct_batches_only_rank0_writes(tmp_path, data_dir):
@@ -149,7 +155,7 @@ def test_one_gradient_allreduce_per_step_distinct_batches_only_rank0_writes(tmp_
     for r in ranks:
         # 4 global micro-steps on 2 ranks: no_sync on the first of each rank's 2, one all-reduce on the
         # last (the model is far smaller than a DDP bucket, so one all-reduce is one hook call)
-        assert r["allreduces"] == {"0": 1, "1": 1, "2": 1}
+        assert r["exchanges"] == {"0": 1, "1": 1, "2": 1}
         assert len(r["batches"]) == 3 * 2 + 1  # 2 micro-batches per step, and the one fetched ahead
     assert not set(ranks[0]["batches"]) & set(ranks[1]["batches"])
     # evaluation is split over the ranks and all-reduced: both hold the same numbers
@@ -170,9 +176,8 @@ def test_failure_on_one_rank_ends_the_job(tmp_path, data_dir):
     assert not (tmp_path / "report" / "rank0.json").exists()  # rank 0 did not finish training either
 
 
-def test_accumulation_must_divide_by_world_size(tmp_path, data_dir):
-    proc = torchrun(train_args(data_dir, tmp_path / "out", gradient_accumulation_steps=3), tmp_path / "r",
-                    timeout=120)
-    assert proc.returncode != 0
-    assert ("error: gradient_accumulation_steps (3) must be divisible by the number of processes (2)"
-            in proc.stderr)
+def test_accumulation_must_divide_by_world_size():
+    assert distributed.micro_steps(8, distributed.World(True, 1, 1, 4)) == 2  # 8 global micro-steps on 4 ranks
+    with pytest.raises(UserError, match=r"gradient_accumulation_steps \(3\) must be divisible by the number of "
+                                        r"processes \(2\)"):
+        distributed.micro_steps(3, distributed.World(True, 0, 0, 2))

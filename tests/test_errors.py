@@ -10,7 +10,7 @@ import torch
 import prepare
 import sample
 import train
-from conftest import assert_one_error_line, make_corpus, run, run_in_process, tiny_train_args
+from conftest import assert_one_error_line, make_corpus, run, run_in_process, tiny_train_args, train as train_in_process
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,9 @@ def world(tmp_path_factory):
     for name, corpus in (("tiny", text), ("short", "to be or not to be\n"),
                          ("wide", text + "0123456789\n"), ("other", text.replace("?", "#"))):
         (root / f"{name}.txt").write_text(corpus, encoding="utf-8")
-        prepare.prepare(str(root / f"{name}.txt"), str(root / "data" / name), "char")
-    run("train.py", *tiny_train_args(root / "data", root / "out", max_iters=4, eval_interval=2), check=True)
+        run_in_process(prepare.main, "text", "--input", root / f"{name}.txt", "--name", name,
+                       "--data_dir", root / "data", check=True)
+    train_in_process(*tiny_train_args(root / "data", root / "out", max_iters=4, eval_interval=2))
     (root / "out" / "notes.txt").write_text("the user's own file\n")
     return root
 
@@ -73,8 +74,12 @@ TRAIN_CASES = {
     "out_dir_not_writable": (None, {"out_dir": "{out}/notes.txt/sub"}, ["not writable", "--out_dir"]),
     "n_embd_not_divisible": (None, {"n_embd": 30, "n_head": 4}, ["n_embd (30) must be divisible by n_head (4)"]),
     "batch_size_zero": (None, {"batch_size": 0}, ["batch_size must be positive, got 0"]),
-    "block_size_negative": (None, {"block_size": -1}, ["block_size must be positive, got -1"]),
-    "n_layer_zero": (None, {"n_layer": 0}, ["n_layer must be positive, got 0"]),
+    "block_size_negative": (None, {"block_size": -1}, ["block_size must be a positive integer, got -1"]),
+    "n_layer_zero": (None, {"n_layer": 0}, ["n_layer must be a positive integer, got 0"]),
+    "dropout_one": (None, {"dropout": 1.0}, ["dropout must be in [0, 1), got 1.0"]),
+    "vocab_below_the_datasets": (None, {"vocab_size": 10}, ["vocab_size 10 is smaller than the dataset's"]),
+    "resume_other_vocab_size": (None, {"init_from": "resume", "vocab_size": 70},
+                                ["vocab_size=53 but the config asks for 70"]),
     "max_iters_negative": (None, {"max_iters": -5}, ["max_iters must not be negative, got -5"]),
     "learning_rate_zero": (None, {"learning_rate": 0.0}, ["learning_rate must be positive"]),
     "learning_rate_negative": (None, {"learning_rate": -1e-3}, ["learning_rate must be positive"]),
@@ -94,7 +99,7 @@ def test_train_bad_input(copy, capsys, case):
     settings = {k: v.format(out=copy / "out") if isinstance(v, str) else v for k, v in settings.items()}
     out_dir = settings.pop("out_dir", copy / "out")
     before = snapshot(copy / "data", copy / "out")
-    proc = run_in_process(capsys, train.main, *tiny_train_args(copy / "data", out_dir, **settings))
+    proc = run_in_process(train.main, *tiny_train_args(copy / "data", out_dir, **settings))
     assert_one_error_line(proc, *words)
     assert snapshot(copy / "data", copy / "out") == before
 
@@ -103,32 +108,30 @@ def test_train_bad_input(copy, capsys, case):
     (b"", ["is empty"]),
     ("ROMEO: café\n".encode("latin-1"), ["is not UTF-8 text (bad byte at offset 10)", "convert it to UTF-8"]),
 ])
-def test_prepare_bad_input_file(copy, capsys, content, words):
+def test_prepare_bad_input_file(copy, content, words):
     (copy / "input.txt").write_bytes(content)
     before = snapshot(copy / "data")
     # the output name is an existing dataset: it must survive the failed run
-    proc = run_in_process(capsys, prepare.main, "text", "--input", copy / "input.txt", "--name", "tiny",
+    proc = run_in_process(prepare.main, "text", "--input", copy / "input.txt", "--name", "tiny",
                           "--data_dir", copy / "data")
     assert_one_error_line(proc, *words)
     assert snapshot(copy / "data") == before
 
 
-def test_sample_prompt_outside_the_vocabulary(copy, capsys):
+def test_sample_prompt_outside_the_vocabulary(copy):
     before = snapshot(copy / "out")
-    proc = run_in_process(capsys, sample.main, f"--out_dir={copy / 'out'}", "--device=cpu", "--start=ROMEO: ☃ 1")
+    proc = run_in_process(sample.main, f"--out_dir={copy / 'out'}", "--device=cpu", "--start=ROMEO: ☃ 1")
     assert_one_error_line(proc, "outside this model's character vocabulary", "'1' '☃'")
     assert snapshot(copy / "out") == before
 
 
 @pytest.mark.parametrize("script, args, words", [
     ("train.py", ["--dataset=nope", "--device=cpu"], ["dataset directory data/nope does not exist"]),
-    ("train.py", ["--dataset=tiny", "--device=cpu", "--init_from=resume", "--out_dir={tmp}/data/tiny/meta.json"],
-     ["meta.json is a file"]),
-    ("prepare.py", ["text", "--input", "{tmp}/missing.txt", "--name", "x"], ["missing.txt does not exist"]),
     ("sample.py", ["--out_dir={tmp}/out", "--device=cpu", "--start=☃"], ["outside this model's character"]),
 ])
 def test_scripts_report_errors_the_same_way(copy, script, args, words):
-    """The tests above call main() in-process; the scripts themselves behave the same way."""
+    """The tests above call main() in-process; the scripts themselves, in a process of their own, exit
+    with status 2 and print the same one line."""
     before = snapshot(copy / "data", copy / "out")
     proc = run(script, *[a.format(tmp=copy) for a in args], cwd=copy)
     assert_one_error_line(proc, *words)

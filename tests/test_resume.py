@@ -4,7 +4,7 @@ import re
 
 import torch
 
-from conftest import run, tiny_train_args
+from conftest import tiny_train_args, train
 
 N = 6
 
@@ -44,12 +44,12 @@ def test_n_then_resume_n_equals_2n_straight(tmp_path, char_data):
         return tiny_train_args(char_data, tmp_path / out, dropout=0.2, gradient_accumulation_steps=2,
                                eval_interval=4, ckpt_interval=3, warmup_iters=2, lr_decay_iters=2 * N, **kw)
 
-    straight = run("train.py", *args("straight", max_iters=2 * N), check=True)
-    first = run("train.py", *args("split", max_iters=N), check=True)
+    straight = train(*args("straight", max_iters=2 * N))
+    first = train(*args("split", max_iters=N))
     assert load(tmp_path / "split" / "ckpt.pt")["iter_num"] == N
     (tmp_path / "control").mkdir()
     (tmp_path / "control" / "ckpt.pt").write_bytes((tmp_path / "split" / "ckpt.pt").read_bytes())
-    resumed = run("train.py", *args("split", max_iters=2 * N, init_from="resume"), check=True)
+    resumed = train(*args("split", max_iters=2 * N, init_from="resume"))
     assert f"resuming from {tmp_path / 'split'}/ckpt.pt at iteration {N}" in resumed.stdout
 
     a, b = load(tmp_path / "straight" / "ckpt.pt"), load(tmp_path / "split" / "ckpt.pt")
@@ -70,22 +70,25 @@ def test_n_then_resume_n_equals_2n_straight(tmp_path, char_data):
     ckpt = load(tmp_path / "control" / "ckpt.pt")
     ckpt["ranks"][0]["rng"]["torch"] = torch.Generator().manual_seed(1).get_state()
     torch.save(ckpt, tmp_path / "control" / "ckpt.pt")
-    run("train.py", *args("control", max_iters=2 * N, init_from="resume"), check=True)
+    train(*args("control", max_iters=2 * N, init_from="resume"))
     c = load(tmp_path / "control" / "ckpt.pt")
     assert not torch.equal(c["model"]["tok_emb.weight"], a["model"]["tok_emb.weight"])
 
 
-def test_resumed_run_continues_the_wandb_run(tmp_path, char_data):
+def test_wandb_offline_and_a_resumed_run_continues_the_wandb_run(tmp_path, char_data, monkeypatch):
+    """wandb needs no login (offline mode); the run id goes into the checkpoint, and a resumed run
+    continues the same wandb run."""
     out, wandb_dir = tmp_path / "out", tmp_path / "wandb"
     wandb_dir.mkdir()
-    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir)}
-    args = tiny_train_args(char_data, out, max_iters=3, wandb_log=True, wandb_project="test")
-    run("train.py", *args, env=env, check=True)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train(*tiny_train_args(char_data, out, max_iters=3, wandb_log=True, wandb_project="test"))
     run_id = load(out / "ckpt.pt")["wandb_run_id"]
     assert isinstance(run_id, str) and run_id
-    run("train.py", *tiny_train_args(char_data, out, max_iters=5, wandb_log=True, wandb_project="test",
-                                     init_from="resume"), env=env, check=True)
+    train(*tiny_train_args(char_data, out, max_iters=5, wandb_log=True, wandb_project="test", init_from="resume"))
     assert load(out / "ckpt.pt")["wandb_run_id"] == run_id
     # wandb names each (offline) run's directory after the run id: both runs wrote to the same id
-    runs = sorted(p.name for p in (wandb_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(name.endswith("-" + run_id) for name in runs), runs
+    runs = sorted((wandb_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(run.name.endswith("-" + run_id) for run in runs), runs
+    assert all(list(run.glob("*.wandb")) for run in runs)  # each run's log, to sync later with `wandb sync`

@@ -7,10 +7,12 @@ import torch
 import torch.nn.functional as F
 
 import configurator
+import distributed
 import train
+from batches import load_split, whole_split_batches
 from conftest import ROOT, run_in_process, tiny_train_args
-from data import load_split, whole_split_batches
 from model import GPT, GPTConfig
+from stopping import StopFlag
 
 
 @pytest.mark.parametrize("n_tokens, block_size, batch_size", [(101, 10, 3), (100, 10, 4), (11, 10, 1)])
@@ -97,22 +99,22 @@ def test_weights_and_batches_follow_nanogpts_random_stream(tmp_path, char_data):
     assert torch.equal(x, ex) and torch.equal(y, ey)
 
 
-def test_eval_at_start_false_skips_only_the_first_evaluation(tmp_path, char_data, capsys):
+def test_eval_at_start_false_skips_only_the_first_evaluation(tmp_path, char_data):
     args = tiny_train_args(char_data, tmp_path / "out", max_iters=20, eval_interval=10, eval_at_start=False)
-    proc = run_in_process(capsys, train.main, *args)
+    proc = run_in_process(train.main, *args)
     assert proc.returncode == 0, proc.stderr
     steps = [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert steps == ["step 10", "step 20"]
 
     args = tiny_train_args(char_data, tmp_path / "out2", max_iters=20, eval_interval=10)
-    proc = run_in_process(capsys, train.main, *args)
+    proc = run_in_process(train.main, *args)
     steps = [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert steps == ["step 0", "step 10", "step 20"]
 
 
-def test_eval_at_start_false_still_evaluates_with_eval_only(tmp_path, char_data, capsys):
+def test_eval_at_start_false_still_evaluates_with_eval_only(tmp_path, char_data):
     args = tiny_train_args(char_data, tmp_path / "out", eval_only=True, eval_at_start=False)
-    proc = run_in_process(capsys, train.main, *args)
+    proc = run_in_process(train.main, *args)
     assert proc.returncode == 0, proc.stderr
     assert "step 0: train loss" in proc.stdout
 
@@ -157,13 +159,13 @@ def test_bfloat16_attention_on_the_cpu_is_computed_in_float32():
 
 
 def test_signal_under_ddp_counts_only_on_steps_that_ask_the_ranks():
-    stop = train.StopFlag()
+    stop = StopFlag()
     try:
         stop.name = "SIGTERM"  # as the handler would set it
-        ddp = train.Dist(enabled=True, world_size=1)  # no process group: all_reduce leaves the flag as it is
-        assert stop.requested(ddp, "cpu", ask_ranks=False) is False  # no all_reduce, no sync on this step
-        assert stop.requested(ddp, "cpu", ask_ranks=True) is True
-        assert stop.requested(train.Dist(), "cpu", ask_ranks=False) is True  # one process: no one to ask
+        world = distributed.World(distributed=True, size=1)  # no process group: all_reduce leaves the flag as it is
+        assert stop.requested(world, "cpu", ask_ranks=False) is False  # no all_reduce, no sync on this step
+        assert stop.requested(world, "cpu", ask_ranks=True) is True
+        assert stop.requested(distributed.World(), "cpu", ask_ranks=False) is True  # one process: no one to ask
     finally:
         stop.restore()
 

@@ -1,15 +1,21 @@
 """
-Writing files so that a crash never leaves half of one.
+The project's small files, read and written safely.
 
 atomic_write(path) hands out a temporary file beside path; only when the block ends
 without an exception is the file flushed, fsynced and renamed over path (and the rename
 made durable). A process killed at any instant leaves either the old complete file or
 the new complete one. Temporary files are named `.NAME.tmp.PID`, so that a later run can
 find and remove what a killed one left (remove_stale_temps).
+
+read_json_object(path, fix) reads a JSON file that must hold an object, with a one-line error
+that ends with the fix.
 """
 
+import json
 import os
 from contextlib import contextmanager
+
+from errors import UserError
 
 
 def temp_path(path):
@@ -48,3 +54,15 @@ def remove_stale_temps(directory, names):
     for entry in os.listdir(directory):
         if entry.startswith(prefixes):
             os.remove(os.path.join(directory, entry))
+
+
+def read_json_object(path, fix):
+    """The dict in a JSON file; a file that is not valid JSON or holds no object is a one-line error."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is not valid JSON ({e}){fix}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} does not hold a JSON object{fix}")
+    return value

@@ -1,0 +1,128 @@
+"""Precision and compilation: dtype=auto picks what the CPU computes natively, half precisions train end
+to end on the CPU (bfloat16 autocast; float16 with its GradScaler, whose state resumes exactly), and
+compile=True trains compiled, or warns once and trains uncompiled when compilation fails."""
+
+import re
+
+import pytest
+import torch
+
+import hardware
+from conftest import tiny_train_args, train
+from model import GPT
+
+# a tiny run; dtype and compile set by each test
+ARGS = dict(max_iters=6, eval_interval=3, eval_iters=2, n_layer=1, n_embd=16, block_size=16)
+
+
+def native(monkeypatch, bf16, fp16=False):
+    """Pretend oneDNN reports (or not) native bfloat16 / float16 on this CPU."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: fp16)
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def val_losses(stdout):
+    return [float(v) for v in re.findall(r"val loss (\S+)", stdout)]
+
+
+@pytest.mark.parametrize("bf16, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_dtype_on_the_cpu_is_bfloat16_only_where_it_is_native(monkeypatch, capsys, bf16, expected):
+    native(monkeypatch, bf16)
+    assert hardware.pick_dtype("auto", "cpu") == expected
+    assert hardware.pick_dtype("float32", "cpu") == "float32"
+    assert capsys.readouterr().err == ""  # nothing to warn about
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_forcing_an_emulated_half_precision_warns_once_in_one_line(tmp_path, char_data, monkeypatch, dtype):
+    native(monkeypatch, bf16=False, fp16=False)
+    proc = train(*tiny_train_args(char_data, tmp_path / "out", dtype=dtype, **ARGS))
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and f"no native {dtype}" in warnings[0] and "slower" in warnings[0], proc.stderr
+    assert f"dtype {dtype}" in proc.stdout
+    native(monkeypatch, bf16=True, fp16=True)
+    proc = train(*tiny_train_args(char_data, tmp_path / "out2", dtype=dtype, **ARGS))
+    assert "warning" not in proc.stderr
+
+
+def test_bfloat16_trains_end_to_end_close_to_float32(tmp_path, char_data, monkeypatch):
+    real_linear, seen = torch.nn.Linear.forward, {"float32": set(), "bfloat16": set()}
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: seen[dtype].add(
+            (out := real_linear(self, x)).dtype) or out)
+        runs[dtype] = train(*tiny_train_args(char_data, tmp_path / dtype, dtype=dtype, **ARGS)).stdout
+    assert seen == {"float32": {torch.float32}, "bfloat16": {torch.bfloat16}}  # the matmuls ran in bfloat16
+    assert "dtype bfloat16" in runs["bfloat16"]
+    fp32, bf16 = val_losses(runs["float32"]), val_losses(runs["bfloat16"])
+    assert len(bf16) == 3 and bf16[-1] < bf16[0]
+    # the same batches and initial weights; bfloat16 matmuls keep 8 bits of mantissa: losses within 0.02
+    assert bf16 == pytest.approx(fp32, abs=0.02)
+    state = load(tmp_path / "bfloat16" / "ckpt.pt")
+    assert all(v.dtype == torch.float32 for v in state["model"].values())  # autocast: fp32 master weights
+
+
+def test_float16_trains_with_a_grad_scaler_that_skips_overflows_and_resumes_exactly(tmp_path, char_data,
+                                                                                     monkeypatch):
+    """float16 autocast works on the CPU in this torch: the GradScaler path runs. An overflowing step (an
+    infinite loss at the 3rd step) is skipped and halves the scale instead of stopping training, and the
+    scaler's state goes through a checkpoint: 3 steps + resume 3 give exactly 6 straight."""
+    real_forward, steps = GPT.forward, {"done": 0, "overflow_at": 3}
+
+    def forward(self, idx, targets=None, *args, **kwargs):
+        logits, loss = real_forward(self, idx, targets, *args, **kwargs)
+        if self.training and loss is not None:  # one training forward per step (no accumulation here)
+            steps["done"] += 1
+            if steps["done"] == steps["overflow_at"]:
+                loss = loss * float("inf")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    args = dict(ARGS, dtype="float16", eval_interval=100, ckpt_interval=0)
+    straight = train(*tiny_train_args(char_data, tmp_path / "straight", **args))
+    scaler = load(tmp_path / "straight" / "ckpt.pt")["scaler"]
+    assert scaler["scale"] == 65536.0 / 2  # torch's initial scale, halved once by the skipped step
+    assert "NaN" not in straight.stdout + straight.stderr
+
+    steps["done"] = 0
+    train(*tiny_train_args(char_data, tmp_path / "split", **dict(args, max_iters=3)))
+    assert load(tmp_path / "split" / "ckpt.pt")["scaler"]["scale"] == 65536.0 / 2
+    steps["overflow_at"] = None  # the resumed run's steps 4..6 are those of the straight run: no overflow
+    train(*tiny_train_args(char_data, tmp_path / "split", init_from="resume", **args))
+    a, b = load(tmp_path / "straight" / "ckpt.pt"), load(tmp_path / "split" / "ckpt.pt")
+    assert a["scaler"] == b["scaler"]
+    for name, weight in a["model"].items():
+        assert torch.equal(weight, b["model"][name]), name
+
+
+def test_compile_true_trains_compiled_on_the_cpu(tmp_path, char_data):
+    """torch.compile (inductor, C++ kernels on the CPU) trains to the uncompiled run's losses within
+    rounding; the checkpoint's weight names carry no `_orig_mod.` prefix."""
+    args = dict(ARGS, max_iters=2, eval_interval=100, eval_at_start=False, eval_iters=1)
+    eager = train(*tiny_train_args(char_data, tmp_path / "eager", **args))
+    compiled = train(*tiny_train_args(char_data, tmp_path / "compiled", **dict(args, compile=True)))
+    assert "warning" not in compiled.stdout + compiled.stderr
+    assert val_losses(compiled.stdout) == pytest.approx(val_losses(eager.stdout), abs=1e-4)
+    state = load(tmp_path / "compiled" / "ckpt.pt")
+    assert not any(k.startswith("_orig_mod.") for k in state["model"])
+
+
+def test_a_failing_compile_warns_once_and_trains_uncompiled(tmp_path, char_data, monkeypatch):
+    def broken_compile(model, **kwargs):
+        def fails(*args, **kwargs):
+            raise RuntimeError("C++ compiler not found\nmore details")
+        return fails
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    args = dict(ARGS, max_iters=4, eval_interval=2)
+    fallback = train(*tiny_train_args(char_data, tmp_path / "fallback", compile=True, **args))
+    warnings = [line for line in fallback.stdout.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: torch.compile failed (RuntimeError: C++ compiler not found); training without it"]
+    # the trial step left no trace: the same run as without compile, to the last digit
+    eager = train(*tiny_train_args(char_data, tmp_path / "eager", compile=False, **args))
+    assert re.findall(r"^(?:iter|step) .*loss [\d.]+", fallback.stdout, re.M) == \
+        re.findall(r"^(?:iter|step) .*loss [\d.]+", eager.stdout, re.M)
