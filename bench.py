@@ -12,6 +12,12 @@ mode=train: ms/iter and tokens/s (and MFU on GPUs) of train.py's own training st
 (Trainer.optimizer_step: forward, backward, gradient clipping, AdamW) with its device, dtype,
 autocast and compile settings.
 
+mode=speedrun: the CPU speedrun against nanoGPT's CPU recipe, both whole `python train.py` processes
+(start-up, data, training, evaluation, checkpoint) on the prepared shakespeare_char in data_dir, run in
+turn `repeats` times; prints both wall times, their ratio and both final val losses, and the medians:
+
+    python bench.py --mode=speedrun --repeats=3
+
 Every train.py setting is a setting here too, so training config files work as they are;
 vocab_size defaults to the configured dataset's when it has been prepared. Each figure is the
 median of `repeats` measurements taken after `warmup` unmeasured ones.
@@ -19,7 +25,10 @@ median of `repeats` measurements taken after `warmup` unmeasured ones.
 
 import dataclasses
 import os
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -32,7 +41,7 @@ import meta
 from configurator import setting
 from errors import UserError, run_main
 from hardware import describe as describe_device
-from hardware import peak_flops
+from hardware import peak_flops, pick_dtype
 from train import TrainConfig, Trainer
 
 
@@ -45,11 +54,12 @@ class BenchConfig(TrainConfig):
     max_new_tokens: int = setting(500, "mode=sample: tokens to generate per run (batch 1, greedy)")
     prompt_len: int = setting(8, "mode=sample: tokens in the random prompt")
     threads: int = setting(0, "CPU threads for PyTorch (0: its default, one per core)")
+    speedrun: str = setting("config/speedrun_shakespeare_char_cpu.py", "mode=speedrun: the speedrun's config file")
 
     def validate(self):
         super().validate()
-        if self.mode not in ("sample", "train"):
-            raise UserError(f"mode must be sample or train, got {self.mode!r}")
+        if self.mode not in ("sample", "train", "speedrun"):
+            raise UserError(f"mode must be sample, train or speedrun, got {self.mode!r}")
         if self.warmup < 0:
             raise UserError(f"warmup must not be negative, got {self.warmup}")
         if self.threads < 0:
@@ -155,14 +165,50 @@ def bench_train(cfg, workdir):
     return statistics.median(times)
 
 
+# nanoGPT's CPU recipe (its README), in float32 as nanoGPT runs it on a CPU
+NANOGPT_CPU_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
+                      "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
+                      "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0", "--dtype=float32"]
+
+
+def timed_training(args, workdir, data_dir):
+    """Wall time of a whole `python train.py ARGS` process, and the val loss of its last evaluation."""
+    out_dir = tempfile.mkdtemp(prefix="run-", dir=workdir)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "train.py", *args, f"--data_dir={data_dir}", f"--out_dir={out_dir}"],
+                          cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True, timeout=3600)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise UserError(f"train.py {' '.join(args)} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    return seconds, float(re.findall(r"^step \d+: train loss \S+, val loss (\S+)$", proc.stdout, re.M)[-1])
+
+
+def bench_speedrun(cfg, workdir):
+    data_dir = os.path.abspath(cfg.data_dir)
+    print(f"speedrun ({cfg.speedrun}) against nanoGPT's CPU recipe, {cfg.repeats} pair(s), one after the other; "
+          f"{describe_device('cpu', pick_dtype('auto', 'cpu'))} with dtype=auto")
+    runs = []
+    for i in range(cfg.repeats):
+        fast, slow = timed_training([cfg.speedrun], workdir, data_dir), timed_training(NANOGPT_CPU_RECIPE, workdir,
+                                                                                     data_dir)
+        runs.append((fast, slow))
+        print(f"pair {i + 1}: speedrun {fast[0]:.1f} s (val {fast[1]:.4f}), nanoGPT's recipe {slow[0]:.1f} s "
+              f"(val {slow[1]:.4f}), ratio {fast[0] / slow[0]:.3f}", flush=True)
+    median = [statistics.median(r[k][j] for r in runs) for k in (0, 1) for j in (0, 1)]
+    ratio = statistics.median(f[0] / s[0] for f, s in runs)
+    print(f"median: speedrun {median[0]:.1f} s (val {median[1]:.4f}), nanoGPT's recipe {median[2]:.1f} s "
+          f"(val {median[3]:.4f}), ratio {ratio:.3f}")
+    return ratio
+
+
 def main(argv=None):
-    cfg = configurator.parse(BenchConfig, argv,
-                             usage="python bench.py [config/FILE.py ...] [--key=value ...] --mode=sample|train")
+    cfg = configurator.parse(BenchConfig, argv, usage="python bench.py [config/FILE.py ...] [--key=value ...] "
+                                                      "--mode=sample|train|speedrun")
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
-        return (bench_sample if cfg.mode == "sample" else bench_train)(cfg, workdir)
+        return {"sample": bench_sample, "train": bench_train, "speedrun": bench_speedrun}[cfg.mode](cfg, workdir)
 
 
 if __name__ == "__main__":

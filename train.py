@@ -28,7 +28,7 @@ import convert
 import distributed
 from batches import BatchSampler, load_dataset, whole_split_batches
 from configurator import setting
-from errors import UserError, run_main
+from errors import UserError, first_line, run_main
 from hardware import autocast, describe, peak_flops, pick_dtype
 from model import GPT, GPTConfig
 from stopping import StopFlag
@@ -414,8 +414,7 @@ class Trainer:
             loss.backward()
             return compiled
         except Exception as e:  # compilers fail in many ways; training can still go on
-            self.log(f"warning: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                     f"training without it")
+            self.log(f"warning: torch.compile failed ({type(e).__name__}: {first_line(e)}); training without it")
             return model
         finally:
             self.optimizer.zero_grad(set_to_none=True)

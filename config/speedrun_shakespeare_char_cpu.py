@@ -33,5 +33,5 @@ beta2 = 0.99
 warmup_iters = 30
 
 device = "cpu"
-dtype = "bfloat16"
+dtype = "auto"  # bfloat16 where the CPU computes it natively, else float32
 compile = False
