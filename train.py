@@ -16,7 +16,7 @@ import gc
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -30,6 +30,7 @@ from batches import BatchSampler, load_dataset, whole_split_batches
 from configurator import setting
 from errors import UserError, first_line, run_main
 from hardware import autocast, describe, peak_flops, pick_dtype
+from metrics import Metrics
 from model import GPT, GPTConfig
 from stopping import StopFlag
 
@@ -165,6 +166,7 @@ class Trainer:
         random.seed(cfg.seed + self.world.rank)
         np.random.seed(cfg.seed + self.world.rank)
         self.iter_num, self.best_val_loss, self.wandb_run_id, self.saved_at = 0, float("inf"), None, {}
+        self.resumed_from, self.metrics = None, None
         if ckpt:
             self._restore(ckpt)
         self.model = self._wrap(self.raw_model)
@@ -176,7 +178,9 @@ class Trainer:
         self.log(f"tokens per iteration: {self.tokens_per_iter:,} ({self.world.size} process(es) x {self.accum} "
                  f"micro-steps x {cfg.batch_size} x {cfg.block_size})")
         self.log(f"parameters: {self.raw_model.get_num_params() / 1e6:.2f}M; {describe(self.device, self.dtype)}")
-        self.wandb_run = self._start_wandb() if cfg.wandb_log and self.world.is_master else None
+        self.metrics = Metrics(cfg, self.resumed_from, self._eval_due(0), self.wandb_run_id) \
+            if self.world.is_master else None
+        self.wandb_run_id = (self.metrics and self.metrics.wandb_run_id) or self.wandb_run_id
         self.flops_peak, self.running_mfu = peak_flops(self.device), -1.0
         stop = StopFlag()
         try:
@@ -186,8 +190,7 @@ class Trainer:
                 lr = get_lr(self.iter_num, cfg)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
-                if self.iter_num % cfg.eval_interval == 0 and (local_iter > 0 or cfg.eval_at_start) \
-                        or self.iter_num >= cfg.max_iters or cfg.eval_only:
+                if self._eval_due(local_iter):
                     self.evaluate_and_checkpoint(lr)
                     if cfg.eval_only:
                         break
@@ -219,8 +222,13 @@ class Trainer:
                 self.save(checkpoint.LATEST)  # the final state, whatever the evaluation said
         finally:
             stop.restore()
-        if self.wandb_run:
-            self.wandb_run.finish()
+            if self.metrics:
+                self.metrics.close()
+
+    def _eval_due(self, local_iter):
+        cfg = self.cfg
+        return self.iter_num % cfg.eval_interval == 0 and (local_iter > 0 or cfg.eval_at_start) \
+            or self.iter_num >= cfg.max_iters or cfg.eval_only
 
     def evaluate_and_checkpoint(self, lr):
         """Losses on both splits, logged; best.pt when val improves, ckpt.pt as always_save_checkpoint asks."""
@@ -230,11 +238,10 @@ class Trainer:
         self.log(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         if not math.isfinite(losses["val"]):
             raise UserError(f"validation loss is not finite at iteration {self.iter_num}; stopping without saving")
-        if self.wandb_run:
-            metrics = {"iter": self.iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr}
-            if self.running_mfu >= 0:  # -1 until measured (never on a CPU)
-                metrics["mfu"] = self.running_mfu * 100
-            self.wandb_run.log(metrics, step=self.iter_num)
+        if self.metrics:
+            mfu = {"mfu": self.running_mfu * 100} if self.running_mfu >= 0 else {}  # -1 until measured (GPUs)
+            self.metrics.record(self.iter_num, train_loss=losses["train"], val_loss=losses["val"], lr=lr,
+                                tokens=self.iter_num * self.tokens_per_iter, **mfu)
         if cfg.eval_only:
             return
         improved = losses["val"] < self.best_val_loss
@@ -281,8 +288,8 @@ class Trainer:
             self.running_mfu = mfu if self.running_mfu < 0 else 0.9 * self.running_mfu + 0.1 * mfu
             line += f", mfu {self.running_mfu * 100:.2f}%"
         self.log(line)
-        if self.wandb_run:
-            self.wandb_run.log({"iter": self.iter_num, "train/loss_step": lossf, "lr": lr}, step=self.iter_num)
+        self.metrics.record(self.iter_num, loss=lossf, lr=lr, tokens=self.iter_num * self.tokens_per_iter,
+                            tokens_per_s=round(self.tokens_per_iter / dt))
 
     @torch.no_grad()
     def estimate_loss(self):
@@ -384,6 +391,7 @@ class Trainer:
         checkpoint.load_optimizer_state(self.raw_model, self.optimizer, ckpt.optimizer_state,
                                         sharded=self.world.distributed and self.cfg.parallel == "fsdp")
         self.iter_num, self.best_val_loss, self.wandb_run_id = ckpt.iter_num, ckpt.best_val_loss, ckpt.wandb_run_id
+        self.resumed_from = self.iter_num
         if ckpt.scaler_state and self.scaler.is_enabled():
             self.scaler.load_state_dict(ckpt.scaler_state)
         written_by = ckpt.restore_rank(self.world, self.train_sampler)
@@ -419,16 +427,6 @@ class Trainer:
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             checkpoint.restore_rank_state(saved, self.train_sampler)
-
-    def _start_wandb(self):
-        import wandb
-
-        # a resumed run passes the id from its checkpoint and continues that wandb run; a new run gets
-        # a fresh id from wandb, which goes into every checkpoint from now on
-        run = wandb.init(project=self.cfg.wandb_project, name=self.cfg.wandb_run_name, id=self.wandb_run_id,
-                         resume="allow", config=asdict(self.cfg))
-        self.wandb_run_id = run.id
-        return run
 
 
 def get_lr(it, cfg):

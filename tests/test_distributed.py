@@ -162,9 +162,9 @@ def test_one_gradient_allreduce_per_step_distinct_batches_only_rank0_writes(tmp_
     assert [it for it, _ in ranks[0]["losses"]] == [0, 2, 3]
     assert ranks[0]["losses"] == ranks[1]["losses"]
     ours = [p for p in ranks[0]["writes"] if p.startswith(str(tmp_path))]
-    assert str(out / "ckpt.pt") in ours and str(out / "best.pt") in ours
+    assert str(out / "ckpt.pt") in ours and str(out / "best.pt") in ours and str(out / "metrics.jsonl") in ours
     assert [p for p in ranks[1]["writes"] if p.startswith(str(tmp_path))] == []
-    assert sorted(os.listdir(out)) == ["best.pt", "ckpt.pt"]
+    assert sorted(os.listdir(out)) == ["best.pt", "ckpt.pt", "metrics.jsonl"]
 
 
 def test_failure_on_one_rank_ends_the_job(tmp_path, data_dir):

@@ -1,5 +1,6 @@
 """Exact resume: N iterations, then resume for N more, gives bit for bit what 2N iterations straight give."""
 
+import json
 import re
 
 import torch
@@ -64,6 +65,16 @@ def test_n_then_resume_n_equals_2n_straight(tmp_path, char_data):
     assert set(straight_log) == {f"iter {i}" for i in range(1, 2 * N + 1)} | {"step 0", "step 4", "step 8", "step 12"}
     assert set(split_log) == set(straight_log) | {f"step {N}"}
     assert {k: split_log[k] for k in straight_log} == straight_log
+
+    # metrics.jsonl: every step once, with the straight run's numbers (the split run also evaluated at N, its
+    # end; tokens/s is a timing)
+    def records(out):
+        lines = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"} for line in lines]
+
+    split_records = records("split")
+    assert [r for r in split_records if r["step"] != N or "loss" in r] == records("straight")
+    assert [r["step"] for r in split_records if "val_loss" in r] == [0, 4, N, 8, 12]
 
     # control, so that the comparison above can fail: the same checkpoint with another dropout RNG
     # state resumes into different weights

@@ -1,5 +1,6 @@
 """Signals: SIGINT/SIGTERM save and exit 0; SIGKILL in the middle of a save leaves a loadable checkpoint."""
 
+import json
 import os
 import queue
 import re
@@ -128,7 +129,7 @@ def test_sigkill_while_saving_leaves_a_checkpoint_that_loads_and_resumes(tmp_pat
     # save 1 writes ckpt.pt at iteration 4; save 2 (iteration 8) stops half way through its temporary file
     proc = start("tests/faulty_train.py", "pause_in_save=2", f"pause_flag={flag}", "--", *args)
     wait_for_file(flag, proc)
-    temporary = [p for p in out.iterdir() if p.name != "ckpt.pt"]
+    temporary = [p for p in out.iterdir() if p.name not in ("ckpt.pt", "metrics.jsonl")]
     assert len(temporary) == 1 and temporary[0].stat().st_size > 0  # killed with a half-written file there
     proc.send_signal(signal.SIGKILL)
     finish(proc, timeout=60)
@@ -140,4 +141,10 @@ def test_sigkill_while_saving_leaves_a_checkpoint_that_loads_and_resumes(tmp_pat
                                      init_from="resume"))
     assert f"resuming from {out}/ckpt.pt at iteration 4" in resumed.stdout
     assert load(out / "ckpt.pt")["iter_num"] == 6
-    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "ckpt.pt"]  # the stale temporary file is gone
+    # the killed run had logged iterations up to 8 in metrics.jsonl; the resumed run dropped 5..8 and
+    # logged 5, 6: each step once (evaluations: at 0, and at the end, 6)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 6]
+    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "ckpt.pt", "metrics.jsonl"]  # the stale temporary
+    # file is gone
