@@ -1,5 +1,6 @@
 """
-Training data: the token files prepare.py writes, and random batches from them.
+Training data: the token files prepare.py writes (nanoGPT's train.bin / val.bin, or llm.c's
+shards, see shards.py), and random batches from them.
 
 Each split is memory-mapped once. A batch is B random windows of block_size + 1
 tokens, gathered with one fancy-indexing call (no Python loop, no re-opening the
@@ -20,21 +21,31 @@ import numpy as np
 import torch
 
 import meta
+import shards
 from errors import UserError
 
 
+def dataset_dir(data_dir, dataset):
+    """--dataset is a name under --data_dir, or a directory path (with a path separator: e.g. ./fineweb10B,
+    the llm.c / modded-nanogpt shards downloaded elsewhere)."""
+    return dataset if os.sep in dataset or "/" in dataset else os.path.join(data_dir, dataset)
+
+
 def load_dataset(directory, block_size):
-    """A prepared dataset: its metadata and the memmapped train and val token arrays."""
+    """A prepared dataset: its metadata and the train and val token arrays (memory-mapped)."""
     return meta.for_dataset(directory), load_split(directory, "train", block_size), \
         load_split(directory, "val", block_size)
 
 
 def load_split(data_dir, split, block_size):
-    """Memory-map data_dir/{split}.bin, checking that it holds at least one training window."""
+    """Memory-map data_dir/{split}.bin (nanoGPT's layout) or, without it, the split's llm.c shards
+    (*_{split}_*.bin) as one array; check that it holds at least one training window."""
     path = os.path.join(data_dir, f"{split}.bin")
     if not os.path.isdir(data_dir):
         raise UserError(f"dataset directory {data_dir} does not exist; create it with prepare.py "
                         f"(e.g. python prepare.py shakespeare_char)")
+    if not os.path.isfile(path) and shards.list_shards(data_dir)[split]:
+        return shards.open_split(data_dir, split, block_size)
     if not os.path.isfile(path):
         raise UserError(f"{path} is missing; run prepare.py for this dataset")
     n = os.path.getsize(path) // 2
@@ -42,6 +53,21 @@ def load_split(data_dir, split, block_size):
         raise UserError(f"{path} has {n} tokens, fewer than block_size + 1 = {block_size + 1}; "
                         f"use more text or a smaller --block_size")
     return np.memmap(path, dtype=np.uint16, mode="r", shape=(n,))
+
+
+def check_token_ids(data_meta, splits, vocab_size, meta_where):
+    """Stop before the first step when the data holds a token id the model has no embedding for (on a GPU,
+    a device-side assert): from the largest id prepare.py recorded, else by reading the files in chunks."""
+    if data_meta.max_token_id is not None:
+        if data_meta.max_token_id >= vocab_size:
+            raise UserError(f"{meta_where} records token id {data_meta.max_token_id}, outside the model's "
+                            f"vocabulary of {vocab_size}; prepare the data with the model's tokenizer")
+        return
+    for data in splits:
+        for path in getattr(data, "paths", []):  # shards
+            shards.check_max_token(path, vocab_size)
+        if isinstance(data, np.memmap):
+            shards.check_max_token(data, vocab_size, name=data.filename)
 
 
 class BatchSampler:

@@ -48,11 +48,12 @@ def _fsync_directory(directory):
         os.close(fd)
 
 
-def remove_stale_temps(directory, names):
-    """Delete the temporary files of names in directory that a killed process left (they can be gigabytes)."""
-    prefixes = tuple(f".{name}.tmp." for name in names)
+def remove_stale_temps(directory, names=None):
+    """Delete the temporary files that a killed process left in directory (they can be gigabytes): those
+    of the given file names, or all of them."""
     for entry in os.listdir(directory):
-        if entry.startswith(prefixes):
+        name, marker, pid = entry[1:].rpartition(".tmp.")
+        if entry.startswith(".") and marker and pid.isdigit() and (names is None or name in names):
             os.remove(os.path.join(directory, entry))
 
 

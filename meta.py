@@ -3,9 +3,10 @@ Dataset metadata: which tokenizer made a dataset's token ids, and what else prep
 knows about it. The one place that reads, writes and defaults it.
 
     data/<dataset>/meta.json    written by prepare.py (JSON, never a pickle)
+    data/<dataset>/meta.pkl     nanoGPT's, for character-level data: read as plain data only
     a checkpoint                carries a copy, so sample.py decodes as the data was encoded
 
-A dataset without meta.json (nanoGPT's openwebtext) is GPT-2 BPE, as nanoGPT assumes.
+A dataset with neither (nanoGPT's openwebtext, llm.c's shards) is GPT-2 BPE, as nanoGPT assumes.
 """
 
 import json
@@ -14,10 +15,12 @@ from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
 from fileio import atomic_write, read_json_object
+from safe_pickle import read_plain_pickle
 from errors import UserError
 from tokenizer import GPT2_VOCAB_SIZE, CharTokenizer, GPT2Tokenizer
 
 FILENAME = "meta.json"
+NANOGPT_PICKLE = "meta.pkl"  # what nanoGPT's prepare scripts write
 
 
 @dataclass
@@ -27,6 +30,9 @@ class DatasetMeta:
     chars: Optional[str] = None  # the character vocabulary, in id order (tokenizer "char")
     train_tokens: Optional[int] = None
     val_tokens: Optional[int] = None
+    max_token_id: Optional[int] = None  # the largest id in the data (checked against the model's vocabulary)
+    documents: Optional[int] = None  # (corpora prepared into shards)
+    shards: Optional[int] = None
     source: Optional[str] = None  # the text it was prepared from
 
     @classmethod
@@ -68,11 +74,33 @@ class DatasetMeta:
 
 
 def read(directory):
-    """directory/meta.json, or None when there is none."""
+    """directory/meta.json, else nanoGPT's meta.pkl there, else None."""
+    return _find(directory)[0]
+
+
+def _find(directory):
+    """(metadata, the file it came from), or (None, None)."""
     path = os.path.join(directory, FILENAME)
-    if not os.path.isfile(path):
-        return None
-    return DatasetMeta.from_dict(read_json_object(path, "; run prepare.py again"), path)
+    if os.path.isfile(path):
+        return DatasetMeta.from_dict(read_json_object(path, "; run prepare.py again"), path), path
+    path = os.path.join(directory, NANOGPT_PICKLE)
+    if os.path.isfile(path):
+        return _from_nanogpt_pickle(path), path
+    return None, None
+
+
+def _from_nanogpt_pickle(path):
+    """nanoGPT's character vocabulary ({vocab_size, itos, stoi}), read as plain data: a meta.pkl that asks
+    for anything else (code) is refused before any of it runs."""
+    d = read_plain_pickle(path)
+    itos = d.get("itos") if isinstance(d, dict) else None
+    vocab = d.get("vocab_size") if isinstance(d, dict) else None
+    if not (isinstance(vocab, int) and isinstance(itos, dict)
+            and all(isinstance(itos.get(i), str) and len(itos[i]) == 1 for i in range(vocab))):
+        raise UserError(f"{path} is not a nanoGPT character meta.pkl (a dict with vocab_size and itos of single "
+                        f"characters); give a meta.json with --meta, or prepare the dataset here")
+    return DatasetMeta(tokenizer="char", vocab_size=vocab, chars="".join(itos[i] for i in range(vocab)),
+                       source=path)
 
 
 def write(meta, directory):
@@ -86,22 +114,25 @@ def for_dataset(directory):
 
 
 def from_path(path):
-    """--meta=PATH: a meta.json file or the dataset directory holding one."""
+    """--meta=PATH: a meta.json (or nanoGPT's meta.pkl) file, or the dataset directory holding one."""
     is_dir = os.path.isdir(path)
-    if not is_dir and os.path.basename(path) != FILENAME:
-        raise UserError(f"--meta: {path} is not a {FILENAME} file or a directory holding one")
-    meta = read(path if is_dir else os.path.dirname(path) or ".")
-    if meta is None:
-        raise UserError(f"--meta: {path} is not a {FILENAME} file or a directory holding one")
-    return meta
+    found = None
+    if is_dir:
+        found = read(path)
+    elif os.path.basename(path) == FILENAME and os.path.isfile(path):
+        found = DatasetMeta.from_dict(read_json_object(path, "; run prepare.py again"), path)
+    elif os.path.basename(path) == NANOGPT_PICKLE and os.path.isfile(path):
+        found = _from_nanogpt_pickle(path)
+    if found is None:
+        raise UserError(f"--meta: {path} is not a {FILENAME} or {NANOGPT_PICKLE} file, or a directory holding one")
+    return found
 
 
 def for_nanogpt(dataset, data_root="data"):
-    """The tokenizer of a checkpoint that records none (nanoGPT's), and where it came from: the meta.json
-    of its dataset directory (nanoGPT's meta.pkl is a pickle and is not loaded), else GPT-2 BPE."""
+    """The tokenizer of a checkpoint that records none (nanoGPT's), and where it came from: the meta.json or
+    nanoGPT's meta.pkl of its dataset directory, else GPT-2 BPE (as nanoGPT's sample.py assumes)."""
     if isinstance(dataset, str) and dataset:
-        directory = os.path.join(data_root, dataset)
-        meta = read(directory)
-        if meta:
-            return meta, os.path.join(directory, FILENAME)
-    return DatasetMeta.gpt2(), "GPT-2 BPE (no meta.json found)"
+        found, path = _find(os.path.join(data_root, dataset))
+        if found:
+            return found, path
+    return DatasetMeta.gpt2(), f"GPT-2 BPE (no {FILENAME} or {NANOGPT_PICKLE} found)"

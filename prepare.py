@@ -20,6 +20,7 @@ from contextlib import ExitStack
 import numpy as np
 from tqdm import tqdm
 
+import corpus
 import meta
 from fileio import atomic_write
 from errors import UserError, run_main
@@ -85,7 +86,7 @@ def prepare(input_path, out_dir, tokenizer_kind="char", val_fraction=0.1):
             counts = write_tokens(input_path, tok, bins, split_at=int(n_chars * (1 - val_fraction)),
                                   n_chars=n_chars)
             data_meta = meta.DatasetMeta.of(tok, train_tokens=counts["train"], val_tokens=counts["val"],
-                                            source=os.path.abspath(input_path))
+                                            max_token_id=counts["max"], source=os.path.abspath(input_path))
             meta.write(data_meta, out_dir)
     except OSError as e:
         raise UserError(f"cannot write the dataset in {out_dir} ({e.strerror or e}); free some space or pick "
@@ -96,8 +97,8 @@ def prepare(input_path, out_dir, tokenizer_kind="char", val_fraction=0.1):
 
 def write_tokens(input_path, tok, bins, split_at, n_chars):
     """Encode the text chunk by chunk: characters before split_at into bins["train"], the rest into
-    bins["val"], as raw uint16. Returns the token counts."""
-    counts, pos = {"train": 0, "val": 0}, 0
+    bins["val"], as raw uint16. Returns the token counts and the largest id ("max")."""
+    counts, pos = {"train": 0, "val": 0, "max": -1}, 0
     with tqdm(total=n_chars, unit="char", unit_scale=True, desc="tokenizing", disable=n_chars < CHUNK_BYTES) as bar:
         for text in read_chunks(input_path, progress=False):
             cut = min(max(split_at - pos, 0), len(text))
@@ -106,6 +107,7 @@ def write_tokens(input_path, tok, bins, split_at, n_chars):
                     ids = np.array(tok.encode(part), dtype=np.uint16)
                     ids.tofile(bins[split])
                     counts[split] += len(ids)
+                    counts["max"] = max(counts["max"], int(ids.max()))
             pos += len(text)
             bar.update(len(text))
     return counts
@@ -135,17 +137,32 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv=None):
-    p = OneLineParser(description="Prepare a text corpus for train.py (writes data/NAME/train.bin, val.bin, meta.json).")
-    p.add_argument("dataset", choices=["shakespeare_char", "shakespeare", "text"],
+    p = OneLineParser(description="Prepare a corpus for train.py: data/NAME/train.bin, val.bin and meta.json for a "
+                                  "text file; llm.c token shards for large corpora (openwebtext, fineweb_edu).")
+    p.add_argument("dataset", choices=["shakespeare_char", "shakespeare", "text", "openwebtext", "fineweb_edu"],
                    help="shakespeare_char: Tiny Shakespeare by character; shakespeare: Tiny Shakespeare in GPT-2 BPE; "
-                        "text: any UTF-8 file given with --input")
-    p.add_argument("--input", help="local text file (for shakespeare*: skips the download)")
-    p.add_argument("--name", help="dataset name for `text` (output in DATA_DIR/NAME)")
-    p.add_argument("--tokenizer", choices=["char", "gpt2"], default="char", help="for `text` (default char)")
+                        "text: any UTF-8 file, or a directory of documents, given with --input; openwebtext, "
+                        "fineweb_edu: GPT-2 token shards, from the Hugging Face hub or --input")
+    p.add_argument("--input", help="local text file (for shakespeare*: skips the download); for text, openwebtext and "
+                                   "fineweb_edu, a directory or file of documents (.parquet with a text column, "
+                                   ".jsonl[.gz] with a \"text\" field, .txt files of one document each)")
+    p.add_argument("--name", help="dataset name: output in DATA_DIR/NAME (a plain name, not a path)")
+    p.add_argument("--tokenizer", choices=["char", "gpt2"], default="char", help="for a `text` file (default char)")
     p.add_argument("--data_dir", default="data", help="where datasets live (default: data)")
-    p.add_argument("--val_fraction", type=float, default=0.1, help="share of the text kept for validation")
+    p.add_argument("--val_fraction", type=float, default=0.1, help="share of a text file kept for validation")
+    p.add_argument("--subset", help="fineweb_edu: the hub subset (default sample-10BT; e.g. sample-100BT, "
+                                    "CC-MAIN-2024-10)")
+    p.add_argument("--num_proc", type=int, default=None, help="tokenizer processes for shards (default: every core)")
+    p.add_argument("--shard_tokens", type=int, default=corpus.DEFAULT_SHARD_TOKENS,
+                   help="tokens per shard (default 100M); the first shard is the validation split")
     args = p.parse_args(argv)
 
+    if args.name is not None:
+        corpus.check_name(args.name)  # nothing is ever written outside data_dir
+    if args.dataset in corpus.HUB_DATASETS or (args.dataset == "text" and args.input and os.path.isdir(args.input)):
+        corpus.prepare_from_cli(args.dataset, args.data_dir, args.name, args.input, args.subset, args.num_proc,
+                                args.shard_tokens)
+        return
     if args.dataset == "text":
         if not args.input or not args.name:
             raise UserError("`text` needs --input PATH and --name NAME")

@@ -5,8 +5,14 @@ PyTorch checkpoints are pickles, and unpickling can call any function. torch_loa
 them with torch.load(weights_only=True), which builds only tensors and plain data and
 refuses anything else; this module turns what can go wrong (a damaged file, a file that
 asks for code) into one clear line.
+
+nanoGPT's data/<dataset>/meta.pkl is a plain pickle of a dict (vocab_size, itos, stoi).
+read_plain_pickle unpickles with a find_class that refuses every import: only what pickle
+encodes directly (dict, list, tuple, set, str, bytes, int, float, bool, None) can load,
+and a file that asks for anything else is refused before any of it runs.
 """
 
+import io
 import pickle
 import re
 import zipfile
@@ -37,3 +43,30 @@ def torch_load(path):
         raise UserError(f"{corrupt} (its data cannot be unpickled); use another checkpoint or train again") from None
     except Exception as e:  # a damaged file fails in many ways inside torch.load
         raise UserError(f"{corrupt} ({first_line(e)}); use another checkpoint or train again") from None
+
+
+class _Refused(Exception):
+    """The pickle asks for more than plain data."""
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        # every way a pickle reaches a callable (GLOBAL, STACK_GLOBAL, INST, OBJ, EXT*) goes through here
+        raise _Refused(f"it asks to import {module}.{name}")
+
+    def persistent_load(self, pid):
+        raise _Refused("it uses persistent ids")
+
+
+def read_plain_pickle(path):
+    """The plain data (dicts, lists, strings, numbers) pickled in path; anything that would import is refused."""
+    try:
+        with open(path, "rb") as f:
+            return _PlainUnpickler(io.BytesIO(f.read())).load()
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror})") from None
+    except _Refused as e:
+        raise UserError(f"refusing to load {path}: {e}, and it should hold only plain data (nothing in it was "
+                        f"run); use a file from a source you trust") from None
+    except Exception as e:  # truncated or not a pickle at all: EOFError, ValueError, ...
+        raise UserError(f"{path} is not a readable pickle ({type(e).__name__}); prepare the dataset again") from None

@@ -26,7 +26,7 @@ import checkpoint
 import configurator
 import convert
 import distributed
-from batches import BatchSampler, load_dataset, whole_split_batches
+from batches import BatchSampler, check_token_ids, dataset_dir, load_dataset, whole_split_batches
 from configurator import setting
 from errors import UserError, first_line, run_main
 from hardware import autocast, describe, peak_flops, pick_dtype
@@ -56,7 +56,8 @@ class TrainConfig:
     wandb_project: str = setting("owt", "wandb project name")
     wandb_run_name: str = setting("gpt2", "wandb run name")
     # data
-    dataset: str = setting("openwebtext", "dataset name: reads DATA_DIR/DATASET/{train,val}.bin")
+    dataset: str = setting("openwebtext", "dataset name (DATA_DIR/DATASET) or a directory path: {train,val}.bin or "
+                                          "llm.c shards *_{train,val}_*.bin")
     data_dir: str = setting("data", "directory holding the datasets")
     gradient_accumulation_steps: int = setting(40, "micro-batches per optimizer step, over all processes together")
     batch_size: int = setting(12, "sequences per micro-batch per process")
@@ -143,8 +144,8 @@ class Trainer:
         self.log = print if self.world.is_master else (lambda *a, **k: None)
         self.accum = distributed.micro_steps(cfg.gradient_accumulation_steps, self.world)  # on this rank
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-        checkpoint.prepare_out_dir(cfg.out_dir, writes=self.world.is_master)
-        self.meta, self.train_data, self.val_data = load_dataset(f"{cfg.data_dir}/{cfg.dataset}", cfg.block_size)
+        data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
+        self.meta, self.train_data, self.val_data = load_dataset(data_dir, cfg.block_size)
         if self.device_type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -153,6 +154,9 @@ class Trainer:
         ckpt = checkpoint.load(f"{cfg.out_dir}/{checkpoint.LATEST}") if cfg.init_from == "resume" else None
         self.raw_model = self._build_model(ckpt).to(self.device)
         self.model_config = self.raw_model.config
+        check_token_ids(self.meta, (self.train_data, self.val_data), self.model_config.vocab_size,
+                        f"{data_dir}/meta.json")
+        checkpoint.prepare_out_dir(cfg.out_dir, writes=self.world.is_master)  # (nothing written before this)
         if self.world.distributed and cfg.parallel == "fsdp":
             distributed.shard(self.raw_model)
         self.optimizer = self.raw_model.configure_optimizers(

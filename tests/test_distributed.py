@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,14 +75,14 @@ def single(data_dir, tmp_path_factory):
     """single(n): (checkpoint, report) of a 1-process run of n steps on the shared batch stream, in this process."""
     done = {}
 
-    def get(max_iters):
-        if max_iters not in done:
+    def get(max_iters, dataset="tiny"):
+        if (max_iters, dataset) not in done:
             out = tmp_path_factory.mktemp(f"single{max_iters}") / "out"
-            args = [str(a) for a in train_args(data_dir, out, max_iters=max_iters)]
+            args = [str(a) for a in train_args(data_dir, out, max_iters=max_iters, dataset=dataset)]
             instruments = Instruments(shared=True)
             run_in_process(lambda argv: instrumented_run(argv, instruments), *args, check=True)
-            done[max_iters] = ckpt(out), instruments.report()
-        return done[max_iters]
+            done[max_iters, dataset] = ckpt(out), instruments.report()
+        return done[max_iters, dataset]
 
     return get
 
@@ -124,6 +125,36 @@ def test_ddp_step_equals_single_process_sigterm_on_one_rank_stops_both_and_resum
     proc = ok(torchrun(train_args(data_dir, out, max_iters=4, init_from="resume"), tmp_path / "r2",
                        SHARED_BATCHES=1))
     check_resumed_at(proc, out, 1, 4, single)
+
+
+@pytest.fixture(scope="module")
+def shard_dir(data_dir, tmp_path_factory):
+    """The tiny corpus as llm.c shards written here by hand (a header of 256 int32: 20240520, 1, the number of
+    tokens; then the tokens as uint16): val, then train in two shards, and no meta.json, as llm.c's come."""
+    out = tmp_path_factory.mktemp("shards") / "tiny_shards"
+    out.mkdir()
+    train = np.fromfile(data_dir / "tiny" / "train.bin", dtype=np.uint16)
+    val = np.fromfile(data_dir / "tiny" / "val.bin", dtype=np.uint16)
+    for name, tokens in (("tiny_val_000000.bin", val), ("tiny_train_000001.bin", train[:len(train) // 2]),
+                         ("tiny_train_000002.bin", train[len(train) // 2:])):
+        header = np.zeros(256, dtype="<i4")
+        header[:3] = (20240520, 1, len(tokens))
+        (out / name).write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
+    return out
+
+
+def test_llm_c_shards_train_on_2_ranks_with_disjoint_batches_and_resume_exactly(tmp_path, shard_dir, single):
+    out, dataset = tmp_path / "out", str(shard_dir)  # --dataset=DIR: a directory of shards
+    ok(torchrun(train_args(shard_dir, out, max_iters=2, dataset=dataset), tmp_path / "r1", SHARED_BATCHES=1))
+    ranks = [report(tmp_path / "r1", r)["batches"] for r in (0, 1)]
+    assert not set(ranks[0]) & set(ranks[1])  # every rank trains on other windows
+    ref_ckpt, ref = single(2, dataset)
+    assert ranks[0][:2] + ranks[1][:2] == ref["batches"][:4]  # the one-process run's global batch, split
+    assert max_weight_diff(ckpt(out), ref_ckpt) < TOL
+    proc = ok(torchrun(train_args(shard_dir, out, max_iters=4, dataset=dataset, init_from="resume"),
+                       tmp_path / "r2", SHARED_BATCHES=1))
+    assert f"resuming from {out}/ckpt.pt at iteration 2" in proc.stdout
+    assert max_weight_diff(ckpt(out), single(4, dataset)[0]) < TOL  # the uninterrupted run's weights
 
 
 def test_fsdp_step_equals_single_process_checkpoint_samples_in_one_process_and_resumes(

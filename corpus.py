@@ -1,0 +1,435 @@
+"""
+Large-corpus preparation: documents in, GPT-2 token shards out (prepare.py's openwebtext,
+fineweb_edu and `text --input DIR` modes).
+
+    documents (local parquet / JSON lines / .txt files, or the Hugging Face hub), in order
+      -> [eot] + encode_ordinary(doc) on every core (a process pool, results kept in order)
+      -> shards of shard_tokens tokens: <name>_val_000000.bin (the first documents),
+         then <name>_train_000001.bin, _000002.bin, ... (llm.c's format, see shards.py)
+
+This is llm.c's / build-nanogpt's fineweb.py layout: the stream of documents is cut
+at fixed token counts, so a document may continue in the next shard.
+
+Memory does not grow with the corpus: documents are read in batches, at most
+2 * num_proc chunks are in flight, and one shard buffer is filled at a time.
+
+An interrupted run picks up where it stopped: after each finished shard, a small
+progress file beside the shards records where in the document stream the shard
+ended (documents done + tokens of the next one already written). A re-run checks
+the finished shards' headers, skips those documents (whole parquet row groups at a
+time) and continues, writing exactly the bytes an uninterrupted run would.
+"""
+
+import gzip
+import json
+import os
+import re
+from collections import deque
+from contextlib import closing
+
+import numpy as np
+from tqdm import tqdm
+
+import meta
+import shards
+from errors import UserError
+from fileio import atomic_write, remove_stale_temps
+from tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE, gpt2_encoding
+
+DEFAULT_SHARD_TOKENS = 100_000_000
+CHUNK_CHARS = 1 << 20  # documents are sent to the workers in chunks of about 1M characters
+CHUNK_DOCS = 4096  # ... or this many documents, whichever comes first
+PARQUET_BATCH_ROWS = 1024
+PARQUET_BUFFER_BYTES = 1 << 20
+PROGRESS_FILE = "prepare_progress.json"
+PYARROW_HINT = "pip install pyarrow==26.0.1"
+HUB_HINT = "pip install huggingface_hub==2.4.0"
+HUB_DATASETS = {  # prepare.py mode -> (hub repository, default subset)
+    "fineweb_edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT"),
+    "openwebtext": ("Skylion007/openwebtext", None),
+}
+LOCAL_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".json.gz", ".txt")
+
+
+def check_name(name):
+    """A dataset name must be a plain directory name: no path separator, no '..'."""
+    if not name or "/" in name or "\\" in name or name in (".", "..") or ".." in name or os.sep in name:
+        raise UserError(f"--name {name!r} must be a plain name (letters, digits, - and _), not a path")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise UserError(f"--name {name!r} must be a plain name (letters, digits, - and _)")
+    return name
+
+
+# ---------------------------------------------------------------------------- document sources
+
+
+def _import_pyarrow_parquet():
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"reading parquet files needs pyarrow: {PYARROW_HINT}") from None
+    return pq
+
+
+def _open_parquet(path):
+    """A pyarrow ParquetFile that has a `text` column (checked from the footer alone)."""
+    pq = _import_pyarrow_parquet()
+    try:
+        # a buffered stream reads a row group's pages as they are needed: without it pyarrow loads the
+        # whole column chunk first, and some corpora ship row groups of hundreds of MB
+        pf = pq.ParquetFile(path, pre_buffer=False, buffer_size=PARQUET_BUFFER_BYTES)
+    except Exception as e:  # pyarrow.ArrowInvalid and friends: not a parquet file
+        raise UserError(f"{path} is not a readable parquet file ({type(e).__name__}); replace or remove it") from None
+    if "text" not in pf.schema_arrow.names:
+        raise UserError(f"{path} has no `text` column (columns: {', '.join(pf.schema_arrow.names)}); "
+                        f"give parquet files with the documents in a `text` column")
+    return pf
+
+
+def _parquet_docs(path, skip):
+    """The `text` values of a parquet file, in row order, after the first `skip` rows; whole row
+    groups that are skipped are never read."""
+    pf = _open_parquet(path)
+    for g in range(pf.num_row_groups):
+        rows = pf.metadata.row_group(g).num_rows
+        if skip >= rows:
+            skip -= rows
+            continue
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[g], columns=["text"]):
+            texts = batch.column(0).to_pylist()
+            if skip:
+                texts, skip = texts[skip:], max(0, skip - len(texts))
+            for text in texts:
+                if not isinstance(text, str):
+                    raise UserError(f"{path} has a row whose `text` is {text!r}, not a string; remove that row")
+                yield text
+
+
+def _jsonl_docs(path):
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    raise UserError(f"{path} line {number} is not valid JSON; give one JSON object per line") from None
+                text = record.get("text") if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise UserError(f"{path} line {number} has no string \"text\" field; "
+                                    f"give one {{\"text\": ...}} object per line")
+                yield text
+    except (UnicodeDecodeError, OSError, EOFError) as e:
+        raise UserError(f"cannot read {path} as UTF-8 JSON lines ({type(e).__name__}); check the file") from None
+
+
+def _txt_doc(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8 first") from None
+
+
+def _documents_of_files(paths, skip):
+    """The documents of the files in order, after the first `skip` (parquet row groups skipped unread)."""
+    for path in paths:
+        if path.endswith(".parquet"):
+            rows = _open_parquet(path).metadata.num_rows
+            if skip >= rows:
+                skip -= rows
+                continue
+            yield from _parquet_docs(path, skip)
+            skip = 0
+            continue
+        docs = [_txt_doc(path)] if path.endswith(".txt") else _jsonl_docs(path)
+        for doc in docs:
+            if skip:
+                skip -= 1
+                continue
+            yield doc
+
+
+class LocalSource:
+    """Documents from a file or a directory (walked in sorted order): parquet files with a `text` column,
+    JSON lines with a "text" field (optionally gzipped), and .txt files (one document each)."""
+
+    def __init__(self, path, suffixes=LOCAL_SUFFIXES):
+        self.path = os.path.abspath(path)
+        self.description = self.path
+        if os.path.isfile(path):
+            self.files = [self.path]
+        elif os.path.isdir(path):
+            self.files = [os.path.join(root, f) for root, dirs, names in sorted(os.walk(self.path))
+                          for f in sorted(names) if f.endswith(suffixes) and not f.startswith(".")]
+            if not self.files:
+                raise UserError(f"{path} holds no {', '.join(suffixes)} files; give a directory of documents")
+        else:
+            raise UserError(f"input {path} does not exist; pass an existing file or directory with --input")
+        if not self.files[0].endswith(suffixes):
+            raise UserError(f"{path} is not a {', '.join(suffixes)} file; give documents in one of those formats")
+        for f in self.files:  # footers only: a bad parquet file stops us before anything is written
+            if f.endswith(".parquet"):
+                _open_parquet(f)
+
+    def documents(self, skip=0):
+        return _documents_of_files(self.files, skip)
+
+
+class HubSource:
+    """Documents of a dataset's parquet files on the Hugging Face hub, downloaded one by one into the
+    hub cache (huggingface_hub's hf_hub_download) and read locally. Not testable offline."""
+
+    def __init__(self, repo_id, subset=None):
+        self.repo_id, self.subset = repo_id, subset
+        self.description = f"hf://datasets/{repo_id}" + (f"/{subset}" if subset else "")
+        self.revision, self.names = self.files()  # now: no network or subset error once writing has begun
+
+    def _hub(self):
+        _import_pyarrow_parquet()
+        try:
+            import huggingface_hub
+        except ImportError:
+            raise UserError(f"downloading from the Hugging Face hub needs huggingface_hub: {HUB_HINT} "
+                            f"(or pass local parquet files with --input DIR)") from None
+        from huggingface_hub.utils import logging as hub_logging
+
+        hub_logging.set_verbosity_error()  # its retry warnings would turn our one-line errors into many lines
+        return huggingface_hub
+
+    def _prefix(self):
+        # FineWeb(-Edu) keeps sample-10BT in sample/10BT/, the whole corpus in data/, each dump in data/<dump>/
+        if self.subset is None:
+            return ""
+        if self.subset.startswith("sample-"):
+            return "sample/" + self.subset[len("sample-"):] + "/"
+        return "data/" if self.subset == "default" else f"data/{self.subset}/"
+
+    def files(self):
+        """(revision, sorted parquet paths); the hub's own parquet conversion when the main branch has none."""
+        hub = self._hub()
+        for revision in (None, "refs/convert/parquet"):
+            try:
+                names = hub.HfApi().list_repo_files(self.repo_id, repo_type="dataset", revision=revision)
+            except Exception as e:
+                raise UserError(f"cannot list {self.description} on the Hugging Face hub ({type(e).__name__}); "
+                                f"check the network, or download the parquet files and pass --input DIR") from None
+            found = sorted(n for n in names if n.endswith(".parquet") and n.startswith(self._prefix()))
+            if found:
+                return revision, found
+        raise UserError(f"{self.description} has no parquet files; check --subset")
+
+    def documents(self, skip=0):
+        hub = self._hub()
+        for name in self.names:
+            try:
+                path = hub.hf_hub_download(self.repo_id, name, repo_type="dataset", revision=self.revision)
+            except Exception as e:
+                raise UserError(f"cannot download {name} of {self.description} ({type(e).__name__}); "
+                                f"run again to continue where it stopped") from None
+            rows = _open_parquet(path).metadata.num_rows
+            if skip >= rows:
+                skip -= rows
+                continue
+            yield from _parquet_docs(path, skip)
+            skip = 0
+
+
+# ---------------------------------------------------------------------------- tokenization
+
+
+def _init_worker():
+    gpt2_encoding()  # build the encoding once per worker process, not once per chunk
+
+
+def encode_chunk(docs):
+    """[eot] + encode_ordinary(doc) for each document: (all tokens as uint16, tokens per document)."""
+    enc = gpt2_encoding()
+    tokens, lengths = [], []
+    for doc in docs:
+        ids = enc.encode_ordinary(doc)
+        tokens.append(GPT2_EOT)
+        tokens.extend(ids)
+        lengths.append(len(ids) + 1)
+    return np.array(tokens, dtype=np.uint16), np.array(lengths, dtype=np.int64)
+
+
+def _chunks(documents):
+    chunk, chars = [], 0
+    for doc in documents:
+        chunk.append(doc)
+        chars += len(doc)
+        if chars >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def encoded_chunks(documents, num_proc):
+    """encode_chunk over the documents' chunks, results in input order, on num_proc processes.
+    Pool.imap would read its whole input ahead of the workers (its feeder thread has no bound), so we
+    keep at most 2 * num_proc chunks in flight ourselves: memory stays flat however large the corpus."""
+    if num_proc <= 1:
+        for chunk in _chunks(documents):
+            yield encode_chunk(chunk)
+        return
+    import multiprocessing
+
+    with multiprocessing.Pool(num_proc, initializer=_init_worker) as pool:
+        pending = deque()
+        for chunk in _chunks(documents):
+            pending.append(pool.apply_async(encode_chunk, (chunk,)))
+            if len(pending) >= 2 * num_proc:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# ---------------------------------------------------------------------------- shards and progress
+
+
+def shard_path(out_dir, name, index):
+    split = "val" if index == 0 else "train"
+    return os.path.join(out_dir, f"{name}_{split}_{index:06d}.bin")
+
+
+def _write_json(path, obj):
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+
+
+def load_progress(out_dir, name, description, shard_tokens):
+    """The progress of an earlier run into out_dir (a fresh one if none), its finished shards checked."""
+    fresh = {"name": name, "source": description, "tokenizer": "gpt2", "shard_tokens": shard_tokens,
+             "shards": [], "complete": False}
+    path = os.path.join(out_dir, PROGRESS_FILE)
+    if not os.path.isdir(out_dir):
+        return fresh
+    if not os.path.isfile(path):
+        found = shards.list_shards(out_dir)
+        if found["train"] or found["val"] or any(os.path.exists(os.path.join(out_dir, f"{s}.bin"))
+                                                 for s in ("train", "val")):
+            raise UserError(f"{out_dir} already holds a dataset not made by this preparation; "
+                            f"remove it or choose another --name")
+        return fresh
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        raise UserError(f"{path} is damaged; remove {out_dir} and prepare again") from None
+    for key in ("name", "source", "tokenizer", "shard_tokens"):
+        if state.get(key) != fresh[key]:
+            raise UserError(f"{out_dir} was prepared with {key} {state.get(key)!r}, not {fresh[key]!r}; "
+                            f"use the same options to continue, or remove {out_dir}")
+    for i, record in enumerate(state["shards"]):  # keep the finished shards whose headers check out
+        file = os.path.join(out_dir, record["file"])
+        if not os.path.isfile(file) or shards.read_header(file) != record["tokens"]:
+            state["shards"], state["complete"] = state["shards"][:i], False
+            break
+    return state
+
+
+def dataset_meta(state):
+    """The DatasetMeta of a finished preparation."""
+    records = state["shards"]
+    return meta.DatasetMeta(tokenizer="gpt2", vocab_size=GPT2_VOCAB_SIZE, val_tokens=records[0]["tokens"],
+                            train_tokens=sum(r["tokens"] for r in records[1:]),
+                            max_token_id=max(r["max_token_id"] for r in records), documents=state["documents"],
+                            shards=len(records), source=state["source"])
+
+
+class ShardWriter:
+    """Fills one shard buffer from the token stream; a full shard is written (and the progress file
+    updated) only once more tokens follow, so a corpus too small for a train shard writes nothing."""
+
+    def __init__(self, out_dir, state):
+        self.out_dir, self.state = out_dir, state
+        self.buf = np.empty(state["shard_tokens"], dtype=np.uint16)
+        self.fill = 0
+        self.end = None  # (documents done, tokens of the next document written) where the buffer ends
+
+    def add(self, tokens, lengths, doc_base, drop=0):
+        """Append tokens[drop:] of a chunk whose first document is number doc_base."""
+        ends = np.cumsum(lengths)
+        pos = drop
+        while pos < len(tokens):
+            if self.fill == len(self.buf):
+                self.flush()
+            take = min(len(self.buf) - self.fill, len(tokens) - pos)
+            self.buf[self.fill:self.fill + take] = tokens[pos:pos + take]
+            self.fill, pos = self.fill + take, pos + take
+            done = int(np.searchsorted(ends, pos, side="right"))  # documents of the chunk fully written
+            self.end = (doc_base + done, pos - (int(ends[done - 1]) if done else 0))
+
+    def flush(self):
+        index = len(self.state["shards"])
+        path = shard_path(self.out_dir, self.state["name"], index)
+        os.makedirs(self.out_dir, exist_ok=True)
+        tokens = self.buf[:self.fill]
+        shards.write_shard(path, tokens)
+        self.state["shards"].append({"file": os.path.basename(path), "tokens": int(self.fill),
+                                     "end_doc": self.end[0], "end_offset": self.end[1],
+                                     "max_token_id": int(tokens.max())})
+        _write_json(os.path.join(self.out_dir, PROGRESS_FILE), self.state)
+        self.fill = 0
+
+
+def prepare_corpus(source, out_dir, name, shard_tokens=DEFAULT_SHARD_TOKENS, num_proc=None, progress=True):
+    """Tokenize source's documents into GPT-2 shards in out_dir (continuing an interrupted run);
+    write meta.json and return it."""
+    check_name(name)
+    if shard_tokens < 1 or shard_tokens >= 1 << 31:
+        raise UserError(f"--shard_tokens must be between 1 and 2**31 - 1, got {shard_tokens}")
+    if num_proc is not None and num_proc < 1:
+        raise UserError(f"--num_proc must be at least 1, got {num_proc}")
+    num_proc = num_proc or os.cpu_count() or 1
+    state = load_progress(out_dir, name, source.description, shard_tokens)
+    if state["complete"]:
+        print(f"{out_dir}: already prepared ({len(state['shards'])} shards)")
+        return dataset_meta(state)
+    if os.path.isdir(out_dir):
+        remove_stale_temps(out_dir)  # what an interrupted run was writing
+    done = state["shards"][-1] if state["shards"] else {"end_doc": 0, "end_offset": 0}
+    doc_base, drop = done["end_doc"], done["end_offset"]
+    writer = ShardWriter(out_dir, state)
+    resumed = sum(r["tokens"] for r in state["shards"])
+    # closing(): an error stops the worker pool at once, not whenever the generator is collected
+    chunks = encoded_chunks(source.documents(skip=doc_base), num_proc)
+    with tqdm(unit="tok", unit_scale=True, desc=f"tokenizing {name}", disable=not progress,
+              initial=resumed) as bar, closing(chunks):
+        for tokens, lengths in chunks:
+            writer.add(tokens, lengths, doc_base, drop)
+            bar.update(len(tokens) - drop)
+            doc_base, drop = doc_base + len(lengths), 0
+    if not state["shards"]:
+        raise UserError(f"{source.description} gives only {writer.fill} tokens, all of them validation "
+                        f"(one shard is {shard_tokens} tokens); lower --shard_tokens or add documents")
+    if writer.fill:
+        writer.flush()
+    state["complete"], state["documents"] = True, doc_base
+    prepared = dataset_meta(state)
+    meta.write(prepared, out_dir)
+    _write_json(os.path.join(out_dir, PROGRESS_FILE), state)
+    print(f"{out_dir}: {prepared.shards} shards, train {prepared.train_tokens:,} tokens, "
+          f"val {prepared.val_tokens:,} tokens, {prepared.documents:,} documents")
+    return prepared
+
+
+def prepare_from_cli(dataset, data_dir, name=None, input_path=None, subset=None, num_proc=None,
+                     shard_tokens=DEFAULT_SHARD_TOKENS):
+    """prepare.py's openwebtext / fineweb_edu / `text --input DIR` modes."""
+    if dataset == "text":
+        if not input_path or not name:
+            raise UserError("`text` with a directory needs --input DIR and --name NAME")
+        check_name(name)
+        source = LocalSource(input_path)
+    elif dataset in HUB_DATASETS:
+        repo_id, default_subset = HUB_DATASETS[dataset]
+        name = check_name(name or (dataset if dataset != "fineweb_edu" or not subset else f"fineweb_edu_{subset}"))
+        source = LocalSource(input_path) if input_path else HubSource(repo_id, subset or default_subset)
+    else:
+        raise UserError(f"unknown corpus {dataset!r}; use openwebtext, fineweb_edu or text")
+    return prepare_corpus(source, os.path.join(data_dir, name), name, shard_tokens, num_proc)
