@@ -250,7 +250,9 @@ def read_hf_weights(directory):
 
 
 def load_hf(name_or_path, dropout=0.0):
-    """A GPT holding a Hugging Face GPT-2 checkpoint (see GPT.from_pretrained)."""
+    """A GPT holding a Hugging Face GPT-2 checkpoint: gpt2, gpt2-medium, gpt2-large or gpt2-xl from the local
+    Hugging Face cache, or a directory with config.json and model.safetensors (or pytorch_model.bin). No
+    download, no `transformers`."""
     directory = find_pretrained(name_or_path)
     config = config_from_hf(read_json_object(os.path.join(directory, "config.json"), ""), directory, dropout)
     state = from_gpt2_layout(read_hf_weights(directory), conv1d=True, source=directory)

@@ -5,7 +5,7 @@ Export a trained model to Hugging Face's GPT-2 format:
 
 writes hf-shakespeare/config.json and model.safetensors, which transformers loads with
 GPT2LMHeadModel.from_pretrained("hf-shakespeare"), and so do this repository's
-GPT.from_pretrained and --init_from=hf-shakespeare. The checkpoint's tokenizer goes
+convert.load_hf and --init_from=hf-shakespeare. The checkpoint's tokenizer goes
 into meta.json beside them (for sample.py). A model GPT-2's format cannot express is
 refused; see convert.to_hf for how the exact GELU and bias=False are written.
 nanoGPT's ckpt.pt exports too (--out_dir=its out_dir --ckpt=latest).

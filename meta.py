@@ -48,11 +48,10 @@ class DatasetMeta:
     @classmethod
     def from_dict(cls, d, where):
         """From a dict read out of meta.json or a checkpoint; keys of later versions are ignored."""
+        if not isinstance(d.get("vocab_size"), int):
+            raise UserError(f"{where} has no vocab_size; run prepare.py again")
         known = {f.name for f in fields(cls)}
-        try:
-            meta = cls(**{k: v for k, v in d.items() if k in known})
-        except TypeError:
-            raise UserError(f"{where} has no vocab_size; run prepare.py again") from None
+        meta = cls(**{"tokenizer": None, **{k: v for k, v in d.items() if k in known}})
         if meta.tokenizer not in (None, "char", "gpt2") or (meta.tokenizer == "char" and not meta.chars):
             raise UserError(f"{where}: unknown tokenizer {meta.tokenizer!r} (expected 'char' with its chars, "
                             f"or 'gpt2')")

@@ -105,7 +105,7 @@ def write_tokens(input_path, tok, bins, split_at, n_chars):
             for split, part in (("train", text[:cut]), ("val", text[cut:])):
                 if part:
                     ids = np.array(tok.encode(part), dtype=np.uint16)
-                    ids.tofile(bins[split])
+                    bins[split].write(ids.tobytes())  # (numpy's tofile hides the OS error's reason)
                     counts[split] += len(ids)
                     counts["max"] = max(counts["max"], int(ids.max()))
             pos += len(text)

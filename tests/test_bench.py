@@ -26,7 +26,7 @@ def test_train_mode_reads_a_training_config_file(capsys):
     assert out.count(" ms\n") == 3 and "median" in out and "tokens/s" in out
 
 
-@pytest.mark.parametrize("arg,message", [("--mode=fast", "mode must be sample or train"),
+@pytest.mark.parametrize("arg,message", [("--mode=fast", "mode must be sample, train or speedrun, got 'fast'"),
                                          ("--prompt_len=17", "prompt_len .17. must be at most block_size")])
 def test_bad_settings_are_one_line_errors(arg, message):
     with pytest.raises(UserError, match=message):

@@ -7,8 +7,9 @@ from typing import Optional
 import pytest
 
 import configurator
-from configurator import UserError
-from conftest import run, tiny_train_args
+import sample
+from conftest import run_in_process, tiny_train_args, train
+from errors import UserError
 from train import TrainConfig, get_lr
 
 
@@ -169,7 +170,8 @@ def test_the_shipped_config_files_parse(tmp_path):
         assert not unknown, (path.name, unknown)
 
 
-# ---------------------------------------------------------------------- through train.py
+# ---------------------------------------------------------------------- through train.py and sample.py (in-process:
+# run_in_process runs main under errors.run_main, as the scripts' __main__ blocks do)
 
 
 def one_error_line(proc):
@@ -189,30 +191,38 @@ def one_error_line(proc):
     ("--n_embd=33", "n_embd"),
     ("--init_from=somewhere", "init_from"),
 ])
-def test_train_config_errors_exit_2_naming_the_key(tmp_path, arg, named):
-    proc = run("train.py", *tiny_train_args(tmp_path / "data", tmp_path / "out"), arg, cwd=tmp_path)
+def test_train_config_errors_exit_2_naming_the_key(tmp_path, monkeypatch, arg, named):
+    monkeypatch.chdir(tmp_path)
+    proc = train(*tiny_train_args(tmp_path / "data", tmp_path / "out"), arg, check=False)
     assert named in one_error_line(proc)
     assert not (tmp_path / "out").exists()
 
 
-def test_train_config_file_with_code_exits_2_without_running_it(tmp_path):
+def test_train_config_file_with_code_exits_2_without_running_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     marker = tmp_path / "marker"
     path = config_file(tmp_path, f"batch_size = 4\nimport os\nos.system('touch {marker}')\n")
-    line = one_error_line(run("train.py", path, cwd=tmp_path))
+    line = one_error_line(train(path, check=False))
     assert "cfg.py:2" in line
     assert not marker.exists()
 
 
-def test_train_config_file_wrong_type_names_the_key(tmp_path):
+def test_train_config_file_wrong_type_names_the_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     path = config_file(tmp_path, "max_iters = '100'\n")
-    assert "max_iters" in one_error_line(run("train.py", path, cwd=tmp_path))
+    assert "max_iters" in one_error_line(train(path, check=False))
 
 
-def test_sample_config_errors_exit_2_naming_the_key(tmp_path):
-    assert "num_samples" in one_error_line(run("sample.py", "--num_samples=two", cwd=tmp_path))
-    assert "--tempreature" in one_error_line(run("sample.py", "--tempreature=0.5", cwd=tmp_path))
+def test_sample_config_errors_exit_2_naming_the_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert "num_samples" in one_error_line(run_in_process(sample.main, "--num_samples=two"))
+    assert "--tempreature" in one_error_line(run_in_process(sample.main, "--tempreature=0.5"))
     # sample.py takes no config file
-    assert "cfg.py" in one_error_line(run("sample.py", config_file(tmp_path, "top_k = 5\n"), cwd=tmp_path))
+    assert "cfg.py" in one_error_line(run_in_process(sample.main, config_file(tmp_path, "top_k = 5\n")))
+    # values of the right type that make no sense
+    assert "num_samples" in one_error_line(run_in_process(sample.main, "--num_samples=0"))
+    assert "top_p" in one_error_line(run_in_process(sample.main, "--top_p=1.5"))
+    assert "ckpt" in one_error_line(run_in_process(sample.main, "--ckpt=newest"))
 
 
 # ---------------------------------------------------------------------- learning-rate schedule

@@ -47,6 +47,25 @@ def test_cached_greedy_tokens_equal_uncached(seed, config):
 
 
 @pytest.mark.parametrize("seed,config", MODELS)
+def test_cached_sampled_tokens_equal_uncached(seed, config):
+    """Sampling, not only greedy: with the same seeded generator, the cache changes no drawn token.
+    Each prompt (shorter than, equal to and longer than block_size; generation runs past block_size)
+    samples with other options: plain, top_k, top_p, and top_k with top_p."""
+    model = random_model(seed, config)
+    steps = 2 * config["block_size"] + 3
+    options = [dict(temperature=1.0), dict(temperature=0.8, top_k=5), dict(temperature=1.3, top_p=0.9),
+               dict(temperature=0.7, top_k=8, top_p=0.95)]
+    distinct = set()
+    for i, (idx, opts) in enumerate(zip(prompts(model, seed), options)):
+        outs = [model.generate(idx, steps, generator=torch.Generator().manual_seed(100 + i), use_cache=use_cache,
+                               **opts) for use_cache in (True, False)]
+        assert outs[0].shape == (2, idx.size(1) + steps)
+        assert torch.equal(outs[0], outs[1]), opts
+        distinct |= {tuple(row) for row in outs[0][:, idx.size(1):].tolist()}
+    assert len(distinct) == 8  # every row of every prompt drew its own continuation
+
+
+@pytest.mark.parametrize("seed,config", MODELS)
 def test_cached_logits_equal_uncached_at_every_step(seed, config):
     """Teacher-forced on random tokens: per-step logits with and without the cache agree within 1e-4,
     one new token per step and several at once (a cached prefix plus a chunk), before and past block_size."""

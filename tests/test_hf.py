@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 checkpoints in and out (convert.py, GPT.from_pretrained, export.py), offline, fp32.
+"""Hugging Face GPT-2 checkpoints in and out (convert.py: load_hf, to_hf; export.py), offline, fp32.
 
 A tiny random GPT2LMHeadModel from `transformers` (a test-only dependency) stands in for
 OpenAI's weights. Its parameters are perturbed well away from their initial values (LayerNorm
@@ -8,7 +8,6 @@ a bias left out, the wrong GELU) moves the logits far more than the 1e-4 toleran
 
 import json
 import shutil
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -19,9 +18,13 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 import checkpoint  # noqa: E402
 import convert  # noqa: E402
 import export  # noqa: E402
+import sample  # noqa: E402
 import train  # noqa: E402
-from configurator import UserError, parse  # noqa: E402
-from conftest import ROOT, run  # noqa: E402
+from configurator import parse  # noqa: E402
+from conftest import ROOT, assert_one_error_line, run_in_process  # noqa: E402
+from conftest import train as train_in_process  # noqa: E402
+from errors import UserError  # noqa: E402
+from meta import DatasetMeta  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from prepare import prepare  # noqa: E402
 from tokenizer import GPT2Tokenizer  # noqa: E402
@@ -77,9 +80,9 @@ def copy_dir(src, dst):
 # ---------------------------------------------------------------------- loading
 
 
-def test_from_pretrained_safetensors_matches_transformers(hf_dir):
+def test_load_hf_safetensors_matches_transformers(hf_dir):
     path, hf = hf_dir
-    ours = GPT.from_pretrained(str(path))
+    ours = convert.load_hf(str(path))
     assert ours.config == GPTConfig(block_size=64, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32,
                                     dropout=0.0, bias=True, gelu="tanh")
     idx = tokens()
@@ -88,7 +91,7 @@ def test_from_pretrained_safetensors_matches_transformers(hf_dir):
     torch.testing.assert_close(our_logits(ours, idx), expected, atol=TOL, rtol=0)
 
 
-def test_from_pretrained_pytorch_model_bin_in_openai_layout(tmp_path, hf_dir):
+def test_load_hf_pytorch_model_bin_in_openai_layout(tmp_path, hf_dir):
     """pytorch_model.bin as in OpenAI's original gpt2 upload: GPT2Model keys (no `transformer.`),
     causal-mask buffers, no lm_head. transformers 5 no longer writes .bin files, so write it here."""
     path, hf = hf_dir
@@ -100,7 +103,7 @@ def test_from_pretrained_pytorch_model_bin_in_openai_layout(tmp_path, hf_dir):
         state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(64, 64)).view(1, 1, 64, 64)
         state[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
     torch.save(state, out / "pytorch_model.bin")
-    ours = GPT.from_pretrained(str(out))
+    ours = convert.load_hf(str(out))
     idx = tokens(1)
     torch.testing.assert_close(our_logits(ours, idx), hf_logits(hf, idx), atol=TOL, rtol=0)
 
@@ -114,12 +117,12 @@ def test_gpt2_name_loads_from_the_local_hub_cache(tmp_path, hf_dir, monkeypatch)
     (cache / "models--openai-community--gpt2" / "refs" / "main").write_text("0123abcd")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    ours = GPT.from_pretrained("gpt2")
-    direct = GPT.from_pretrained(str(path))
+    ours = convert.load_hf("gpt2")
+    direct = convert.load_hf(str(path))
     for k, v in direct.state_dict().items():
         assert torch.equal(ours.state_dict()[k], v), k
     with pytest.raises(UserError, match="gpt2-xl is not in the local Hugging Face cache"):
-        GPT.from_pretrained("gpt2-xl")
+        convert.load_hf("gpt2-xl")
 
 
 @pytest.mark.parametrize("change, message", [
@@ -138,13 +141,13 @@ def test_configs_gpt2_cannot_compute_are_refused(tmp_path, hf_dir, change, messa
     config.update(change)
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=message):
-        GPT.from_pretrained(str(path))
+        convert.load_hf(str(path))
 
 
 def test_exact_gelu_config_loads_as_exact_gelu(tmp_path):
     hf = hf_model(seed=3, activation_function="gelu")
     hf.save_pretrained(tmp_path / "m")
-    ours = GPT.from_pretrained(str(tmp_path / "m"))
+    ours = convert.load_hf(str(tmp_path / "m"))
     assert ours.config.gelu == "none"
     idx = tokens(3)
     torch.testing.assert_close(our_logits(ours, idx), hf_logits(hf, idx), atol=TOL, rtol=0)
@@ -153,39 +156,39 @@ def test_exact_gelu_config_loads_as_exact_gelu(tmp_path):
 def test_untied_output_layer_is_refused(tmp_path):
     hf_model(seed=4, tie_word_embeddings=False).save_pretrained(tmp_path / "m")
     with pytest.raises(UserError, match="lm_head.*different from its token embedding"):
-        GPT.from_pretrained(str(tmp_path / "m"))
+        convert.load_hf(str(tmp_path / "m"))
 
 
 def test_malformed_directories_and_names(tmp_path, hf_dir):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(UserError, match="has no config.json"):
-        GPT.from_pretrained(str(empty))
+        convert.load_hf(str(empty))
     bad_json = copy_dir(hf_dir[0], tmp_path / "bad_json")
     (bad_json / "config.json").write_text("{not json")
     with pytest.raises(UserError, match="config.json is not valid JSON"):
-        GPT.from_pretrained(str(bad_json))
+        convert.load_hf(str(bad_json))
     no_weights = copy_dir(hf_dir[0], tmp_path / "no_weights")
     (no_weights / "model.safetensors").unlink()
     with pytest.raises(UserError, match="has no weights"):
-        GPT.from_pretrained(str(no_weights))
+        convert.load_hf(str(no_weights))
     corrupt = copy_dir(hf_dir[0], tmp_path / "corrupt")
     (corrupt / "model.safetensors").write_bytes(b"\x00" * 100)
     with pytest.raises(UserError, match="not a readable safetensors file"):
-        GPT.from_pretrained(str(corrupt))
+        convert.load_hf(str(corrupt))
     with pytest.raises(UserError, match="is a file"):
-        GPT.from_pretrained(str(hf_dir[0] / "config.json"))
+        convert.load_hf(str(hf_dir[0] / "config.json"))
     with pytest.raises(UserError, match="'gpt3' is neither a GPT-2 size"):
-        GPT.from_pretrained("gpt3")
+        convert.load_hf("gpt3")
 
 
-def test_bad_init_from_is_one_line_and_exit_2(tmp_path):
+def test_bad_init_from_is_one_line_and_exit_2(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
-    for script, arg in (("sample.py", tmp_path / "empty"), ("train.py", "gpt3")):
-        proc = run(script, f"--init_from={arg}", "--device=cpu")
-        assert proc.returncode == 2, proc.stderr
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert_one_error_line(run_in_process(sample.main, f"--init_from={tmp_path / 'empty'}", "--device=cpu"),
+                          "has no config.json")
+    assert_one_error_line(train_in_process("--init_from=gpt3", "--device=cpu", check=False), "init_from")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # nothing written
 
 
 # ---------------------------------------------------------------------- export
@@ -197,9 +200,9 @@ def our_checkpoint(out_dir, gelu="tanh", bias=True, seed=5):
     model = perturb(GPT(GPTConfig(block_size=48, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, bias=bias,
                                   gelu=gelu, dropout=0.1)), seed).eval()
     out_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint.save({"model": model.state_dict(), "model_config": asdict(model.config),
-                     "tokenizer": {"tokenizer": "gpt2", "vocab_size": VOCAB}, "iter_num": 7},
-                    out_dir / checkpoint.BEST)
+    state = checkpoint.training_state(model.state_dict(), model.config, train.TrainConfig(), DatasetMeta.gpt2(),
+                                      iter_num=7, best_val_loss=3.0)
+    checkpoint.save(state, str(out_dir / checkpoint.BEST))
     return model
 
 
@@ -217,7 +220,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, gelu, bias)
     assert expected.std() > 1.0
     torch.testing.assert_close(hf_logits(hf, idx), expected, atol=TOL, rtol=0)
 
-    back = GPT.from_pretrained(str(dest)).state_dict()
+    back = convert.load_hf(str(dest)).state_dict()
     if bias:  # export -> import gives back every tensor exactly
         assert back.keys() == ours.state_dict().keys()
         for k, v in ours.state_dict().items():
@@ -227,21 +230,39 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, gelu, bias)
             assert torch.equal(v, ours.state_dict()[k]) if k in ours.state_dict() else not v.any(), k
 
 
-def test_export_refuses_what_gpt2_cannot_express_and_overwrites_nothing(tmp_path):
+def test_a_checkpoint_with_a_model_setting_this_code_does_not_know_is_refused(tmp_path):
+    """A checkpoint written by another version of the code (a model setting GPTConfig has no field for)
+    is refused when it is read, in one line, before export writes anything."""
     our_checkpoint(tmp_path / "out")
-    ckpt = checkpoint.load(tmp_path / "out" / checkpoint.BEST)
-    ckpt["model_config"]["n_kv_head"] = 1  # a field GPT-2's config.json has no way to say
-    checkpoint.save(ckpt, tmp_path / "out" / checkpoint.BEST)
-    with pytest.raises(UserError, match="cannot express n_kv_head=1"):
-        export.main([f"--out_dir={tmp_path / 'out'}", str(tmp_path / "new")])
+    path = tmp_path / "out" / checkpoint.BEST
+    state = torch.load(path, weights_only=True)
+    state["model_config"]["n_kv_head"] = 1
+    checkpoint.save(state, str(path))
+    with pytest.raises(UserError, match="has model settings this model.py does not know .n_kv_head.") as e:
+        checkpoint.load(path).build_model()
+    assert "\n" not in str(e.value)
+    proc = run_in_process(export.main, f"--out_dir={tmp_path / 'out'}", tmp_path / "new")
+    assert_one_error_line(proc, "n_kv_head", "does not know")
     assert not (tmp_path / "new").exists()
+
+
+def test_export_refuses_what_gpt2_cannot_express_and_overwrites_nothing(tmp_path, monkeypatch):
+    """convert.to_hf's own refusal: a model setting GPT-2's config.json cannot say (here: pretend the tanh
+    GELU were one) is refused in one line, and nothing is written."""
+    our_checkpoint(tmp_path / "out", gelu="tanh")
+    monkeypatch.setattr(convert, "_EXPRESSIBLE", convert._EXPRESSIBLE - {"gelu"})
+    with pytest.raises(UserError, match="cannot express gelu='tanh'"):
+        convert.to_hf(checkpoint.load(tmp_path / "out" / checkpoint.BEST).build_model(), DatasetMeta.gpt2())
+    proc = run_in_process(export.main, f"--out_dir={tmp_path / 'out'}", tmp_path / "new")
+    assert_one_error_line(proc, "cannot express gelu='tanh'")
+    assert not (tmp_path / "new").exists()
+    monkeypatch.undo()
 
     our_checkpoint(tmp_path / "out")
     dest = tmp_path / "taken"
     dest.mkdir()
     (dest / "config.json").write_text("mine")
-    proc = run("export.py", f"--out_dir={tmp_path / 'out'}", str(dest))
-    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "not an empty directory" in proc.stderr
+    assert_one_error_line(run_in_process(export.main, f"--out_dir={tmp_path / 'out'}", dest), "not an empty directory")
     assert (dest / "config.json").read_text() == "mine"
     with pytest.raises(UserError, match="no checkpoint in"):
         export.main([f"--out_dir={tmp_path / 'missing'}", str(tmp_path / "x")])
@@ -259,14 +280,14 @@ def test_sample_init_from_hf_directory_uses_gpt2_bpe(hf_dir):
     path, _ = hf_dir
     prompt, n = "The king said", 12
     tok = GPT2Tokenizer()
-    model = GPT.from_pretrained(str(path)).eval()
+    model = convert.load_hf(str(path)).eval()
     ids = torch.tensor([tok.encode(prompt)])
     out = model.generate(ids, n, temperature=0, stop_tokens=[tok.eot_token])[0, ids.size(1):].tolist()
     if tok.eot_token in out:
         out = out[:out.index(tok.eot_token)]
     expected = prompt + tok.decode(out)
-    proc = run("sample.py", f"--init_from={path}", f"--start={prompt}", f"--max_new_tokens={n}", "--temperature=0",
-               "--num_samples=2", "--device=cpu", check=True)
+    proc = run_in_process(sample.main, f"--init_from={path}", f"--start={prompt}", f"--max_new_tokens={n}",
+                          "--temperature=0", "--num_samples=2", "--device=cpu", check=True)
     assert proc.stdout == f"{expected}\n---------------\n" * 2
 
 
@@ -301,12 +322,12 @@ def test_init_from_hf_directory_crops_block_size_and_keeps_the_weights(tmp_path,
 
 def test_train_finetune_shakespeare_from_hf_directory(tmp_path, hf_dir, bpe_data):
     out = tmp_path / "out"
-    proc = run("train.py", *finetune_args(hf_dir[0], bpe_data, out), check=True)
+    proc = train_in_process(*finetune_args(hf_dir[0], bpe_data, out))
     assert f"initialized from {hf_dir[0]}" in proc.stdout
     assert "iter 4: loss" in proc.stdout and "step 4: train loss" in proc.stdout
     ckpt = checkpoint.load(out / checkpoint.LATEST)
-    assert ckpt["iter_num"] == 4 and ckpt["model_config"]["gelu"] == "tanh" and ckpt["model_config"]["block_size"] == 32
-    assert ckpt["tokenizer"]["tokenizer"] == "gpt2"
+    assert ckpt.iter_num == 4 and ckpt.model_config.gelu == "tanh" and ckpt.model_config.block_size == 32
+    assert ckpt.meta.tokenizer == "gpt2"
 
 
 def test_init_from_refuses_a_character_dataset(tmp_path, hf_dir, char_data):

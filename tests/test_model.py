@@ -89,8 +89,8 @@ def test_the_model_runs_these_modules_with_all_heads_in_one_call():
     assert all(isinstance(block.attn, MultiHeadAttention) for block in model.blocks)
     shapes = []
     for block in model.blocks:
-        assert isinstance(block.attn.head, Head)
-        block.attn.head.register_forward_hook(lambda m, args, out: shapes.append(tuple(out.shape)))
+        assert isinstance(block.attn.heads, Head)
+        block.attn.heads.register_forward_hook(lambda m, args, out: shapes.append(tuple(out.shape)))
     model(torch.randint(65, (2, 5)))
     assert shapes == [(2, 4, 5, 8)] * 2  # (B, n_head, T, head_size), once per layer
 
@@ -211,5 +211,5 @@ def test_estimate_mfu_formula():
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="n_head"):
         GPT(tiny_config(n_embd=30, n_head=4))
-    with pytest.raises(ValueError, match="vocab_size"):
+    with pytest.raises(ValueError, match="vocab_size must be a positive integer, got 0"):
         GPT(tiny_config(vocab_size=0))

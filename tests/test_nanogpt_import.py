@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import checkpoint
+import meta
 import sample
 import train
-from configurator import UserError, parse
-from conftest import run, tiny_train_args
-from data import load_meta
+from configurator import parse
+from conftest import run_in_process, tiny_train_args
+from errors import UserError
 from model import GPT, GPTConfig
 
 # our module -> nanoGPT's, inside a block, in nanoGPT's registration order (ln_1, attn, ln_2, mlp)
@@ -88,20 +89,22 @@ def test_nanogpt_checkpoint_gives_the_same_logits(tmp_path, bias, compiled):
     model = random_model(vocab_size=96, bias=bias)
     write_nanogpt_ckpt(model, tmp_path / "out", compiled=compiled)
     ckpt = checkpoint.load(tmp_path / "out" / "ckpt.pt")
-    assert ckpt["model_config"]["gelu"] == "none" and ckpt["best_val_loss"] == 2.5
-    loaded = checkpoint.build_model(ckpt)
+    assert ckpt.model_config.gelu == "none" and ckpt.best_val_loss == 2.5 and ckpt.iter_num == 10
+    assert ckpt.meta is None and ckpt.dataset == "tiny"  # nanoGPT records no tokenizer, only its dataset
+    loaded = ckpt.build_model()
     assert loaded.config == model.config
     idx = torch.randint(0, 96, (3, 32), generator=torch.Generator().manual_seed(0))
     assert torch.equal(logits(loaded, idx), logits(model, idx))  # the same weights, the same computation
 
 
-def test_sample_nanogpt_out_dir_with_the_datasets_meta_json(tmp_path, char_data, monkeypatch, capsys):
+def test_sample_nanogpt_out_dir_with_the_datasets_meta_json(tmp_path, char_data, monkeypatch):
     # char_data is tmp_path/data/tiny, where nanoGPT looks (data/<dataset>/) when run from tmp_path
-    chars = load_meta(char_data / "tiny")["chars"]
+    chars = meta.read(char_data / "tiny").chars
     write_nanogpt_ckpt(random_model(len(chars)), tmp_path / "out")
     monkeypatch.chdir(tmp_path)
-    sample.main(["--out_dir=out", "--start=ROMEO:", "--num_samples=2", "--max_new_tokens=30", "--device=cpu"])
-    out, err = capsys.readouterr()
+    proc = run_in_process(sample.main, "--out_dir=out", "--start=ROMEO:", "--num_samples=2", "--max_new_tokens=30",
+                          "--device=cpu", check=True)
+    out, err = proc.stdout, proc.stderr
     assert "data/tiny/meta.json" in err
     samples = out.split("---------------\n")[:2]
     assert all(s.startswith("ROMEO:") and set(s) <= set(chars) for s in samples), out
@@ -110,21 +113,22 @@ def test_sample_nanogpt_out_dir_with_the_datasets_meta_json(tmp_path, char_data,
     monkeypatch.chdir(char_data)
     with pytest.raises(UserError, match="give its meta.json with --meta"):
         sample.main([f"--out_dir={tmp_path / 'out'}", "--device=cpu"])
-    sample.main([f"--out_dir={tmp_path / 'out'}", f"--meta={char_data / 'tiny' / 'meta.json'}", "--start=ROMEO:",
-                 "--num_samples=1", "--max_new_tokens=5", "--device=cpu"])
-    assert capsys.readouterr().out.startswith("ROMEO:")
+    proc = run_in_process(sample.main, f"--out_dir={tmp_path / 'out'}", f"--meta={char_data / 'tiny' / 'meta.json'}",
+                          "--start=ROMEO:", "--num_samples=1", "--max_new_tokens=5", "--device=cpu", check=True)
+    assert proc.stdout.startswith("ROMEO:")
 
 
-def test_sample_nanogpt_out_dir_without_meta_uses_gpt2_bpe(tmp_path):
+def test_sample_nanogpt_out_dir_without_meta_uses_gpt2_bpe(tmp_path, monkeypatch):
     write_nanogpt_ckpt(random_model(50304), tmp_path / "out", dataset="openwebtext")
-    proc = run("sample.py", "--out_dir=out", "--start=Hello", "--num_samples=1", "--max_new_tokens=5",
-               "--device=cpu", cwd=tmp_path, check=True)
+    monkeypatch.chdir(tmp_path)
+    proc = run_in_process(sample.main, "--out_dir=out", "--start=Hello", "--num_samples=1", "--max_new_tokens=5",
+                          "--device=cpu", check=True)
     assert "GPT-2 BPE" in proc.stderr and proc.stdout.startswith("Hello")
 
 
 def test_resume_a_nanogpt_out_dir_with_its_optimizer_state(tmp_path, char_data, capsys):
     out = tmp_path / "out"
-    model = random_model(load_meta(char_data / "tiny")["vocab_size"])
+    model = random_model(meta.read(char_data / "tiny").vocab_size)
     nano_state = write_nanogpt_ckpt(model, out, iter_num=10)
     cfg = parse(train.TrainConfig, tiny_train_args(char_data, out, init_from="resume", max_iters=12,
                                                    eval_interval=2, bias=True))
@@ -139,8 +143,10 @@ def test_resume_a_nanogpt_out_dir_with_its_optimizer_state(tmp_path, char_data, 
             assert torch.equal(mine[key], nano_state[theirs][key]), (ours, key)
     trainer.train()
     assert "resuming from" in capsys.readouterr().out
-    ckpt = checkpoint.load(out / "ckpt.pt")  # now in this repository's format
-    assert ckpt["iter_num"] == 12 and "model_config" in ckpt and "model_args" not in ckpt
+    saved = torch.load(out / "ckpt.pt", weights_only=True)  # now in this repository's format
+    assert saved["iter_num"] == 12 and "model_config" in saved and "model_args" not in saved
+    ckpt = checkpoint.load(out / "ckpt.pt")
+    assert ckpt.iter_num == 12 and ckpt.meta.same_tokens(meta.read(char_data / "tiny"))
 
 
 @pytest.mark.parametrize("spoil, message", [

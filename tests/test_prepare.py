@@ -1,13 +1,17 @@
 """prepare.py: exact round trips, the 90/10 split, nanoGPT's uint16 format, meta.json, and bad input."""
 
+import builtins
 import json
 
 import numpy as np
 import pytest
 
+import fileio
+import meta as dataset_meta
 import prepare
-from conftest import make_corpus, run
-from tokenizer import CharTokenizer, GPT2Tokenizer, from_meta
+from conftest import assert_one_error_line, make_corpus, run, run_in_process
+from errors import UserError
+from tokenizer import CharTokenizer, GPT2Tokenizer
 
 # Speakers and punctuation, non-ASCII (2-, 3- and 4-byte UTF-8), a CRLF line and a tab:
 # a round trip must give back every byte.
@@ -30,7 +34,8 @@ def test_round_trip_is_exact_and_split_90_10_by_characters(tmp_path, kind):
     meta = prepare.prepare(str(src), str(out), kind)
 
     train, val = read_tokens(out / "train.bin"), read_tokens(out / "val.bin")
-    tok = from_meta(json.loads((out / "meta.json").read_text(encoding="utf-8")))
+    assert dataset_meta.read(out) == meta  # what prepare returns is what meta.json holds
+    tok = meta.make_tokenizer()
     train_text, val_text = tok.decode(train.tolist()), tok.decode(val.tolist())
     assert train_text + val_text == TEXT
     split_at = int(len(TEXT) * 0.9)  # characters, not bytes or tokens
@@ -38,7 +43,7 @@ def test_round_trip_is_exact_and_split_90_10_by_characters(tmp_path, kind):
     # the files hold exactly the tokens of each part: raw uint16, no header
     assert train.tolist() == tok.encode(TEXT[:split_at]) and val.tolist() == tok.encode(TEXT[split_at:])
     assert (out / "train.bin").stat().st_size == 2 * len(train)
-    assert meta["train_tokens"] == len(train) and meta["val_tokens"] == len(val)
+    assert meta.train_tokens == len(train) and meta.val_tokens == len(val)
 
 
 def test_char_meta_json(tmp_path):
@@ -83,9 +88,10 @@ def test_read_in_chunks_gives_the_same_dataset(tmp_path, monkeypatch):
     assert text == TEXT
 
 
-def test_cli_text_gpt2(tmp_path):
+def test_cli_text_gpt2(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     src = write(tmp_path / "corpus.txt", TEXT)
-    proc = run("prepare.py", "text", "--input", src, "--name", "mine", "--tokenizer", "gpt2", cwd=tmp_path)
+    proc = run_in_process(prepare.main, "text", "--input", src, "--name", "mine", "--tokenizer", "gpt2")
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "data" / "mine"  # the default data_dir, relative to the working directory
     tok = GPT2Tokenizer()
@@ -94,9 +100,10 @@ def test_cli_text_gpt2(tmp_path):
     assert json.loads((out / "meta.json").read_text())["tokenizer"] == "gpt2"
 
 
-def test_cli_shakespeare_char_with_input(tmp_path):
+def test_cli_shakespeare_char_with_input(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     src = write(tmp_path / "input.txt", TEXT)
-    proc = run("prepare.py", "shakespeare_char", "--input", src, "--data_dir", tmp_path / "d", cwd=tmp_path)
+    proc = run_in_process(prepare.main, "shakespeare_char", "--input", src, "--data_dir", tmp_path / "d")
     assert proc.returncode == 0, proc.stderr
     meta = json.loads((tmp_path / "d" / "shakespeare_char" / "meta.json").read_text(encoding="utf-8"))
     assert meta["tokenizer"] == "char" and meta["vocab_size"] == len(set(TEXT))
@@ -114,39 +121,50 @@ def one_error_line(proc):
     (b"", "empty"),
     (b"fine text\n" * 50 + b"caf\xe9 in latin-1\n" + b"more text\n" * 50, "not UTF-8"),
 ])
-def test_bad_input_exits_2_and_leaves_the_dataset_alone(tmp_path, bad, says):
+def test_bad_input_exits_2_and_leaves_the_dataset_alone(tmp_path, monkeypatch, bad, says):
+    monkeypatch.chdir(tmp_path)
     good = write(tmp_path / "good.txt", TEXT)
-    run("prepare.py", "text", "--input", good, "--name", "ds", cwd=tmp_path, check=True)
+    run_in_process(prepare.main, "text", "--input", good, "--name", "ds", check=True)
     out = tmp_path / "data" / "ds"
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert set(before) == {"train.bin", "val.bin", "meta.json"}
 
     src = tmp_path / "bad.txt"
     src.write_bytes(bad)
-    line = one_error_line(run("prepare.py", "text", "--input", src, "--name", "ds", cwd=tmp_path))
+    line = one_error_line(run_in_process(prepare.main, "text", "--input", src, "--name", "ds"))
     assert says in line and "bad.txt" in line
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_failure_while_writing_leaves_the_dataset_alone(tmp_path, monkeypatch):
+    """A full disk: every file prepare writes goes to /dev/full (writes fail with ENOSPC). The error is one
+    line naming the dataset directory and the cause; the old dataset is byte for byte what it was and no
+    temporary file is left; through prepare.py's main it is `error: ...`, exit status 2, no traceback."""
+    monkeypatch.chdir(tmp_path)
     src = write(tmp_path / "input.txt", TEXT)
-    out = tmp_path / "ds"
+    out = tmp_path / "data" / "ds"
     prepare.prepare(str(src), str(out), "char")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(before) == {"train.bin", "val.bin", "meta.json"}
 
-    calls = []
+    opened = []
 
-    def encode_then_fail(self, text):
-        calls.append(text)
-        if len(calls) > 3:
-            raise OSError("disk full")
-        return [0] * len(text)
+    def full_disk(file, mode, **kwargs):
+        opened.append(file)
+        return builtins.open("/dev/full", mode, **kwargs)
 
-    monkeypatch.setattr(prepare, "CHUNK_BYTES", 200)
-    monkeypatch.setattr(CharTokenizer, "encode", encode_then_fail)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(fileio, "open", full_disk, raising=False)  # atomic_write's open of its temporary file
+    with pytest.raises(UserError) as e:
         prepare.prepare(str(src), str(out), "char")
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # and no .tmp files left behind
+    message = str(e.value)
+    assert "\n" not in message
+    assert f"cannot write the dataset in {out}" in message and "No space left on device" in message, message
+    assert opened and all(".tmp." in name for name in opened)  # the failure was in writing, not elsewhere
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # unchanged, and no temporary files
+
+    proc = run_in_process(prepare.main, "text", "--input", src, "--name", "ds")
+    assert_one_error_line(proc, "cannot write the dataset in", "No space left on device")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 @pytest.mark.parametrize("args, says", [
@@ -155,8 +173,9 @@ def test_failure_while_writing_leaves_the_dataset_alone(tmp_path, monkeypatch):
     (["text", "--input", "x", "--name", "x", "--tokenizer", "bpe"], "--tokenizer"),
     (["nonsense"], "dataset"),
 ])
-def test_cli_mistakes_exit_2_with_one_line(tmp_path, args, says):
-    line = one_error_line(run("prepare.py", *args, cwd=tmp_path))
+def test_cli_mistakes_exit_2_with_one_line(tmp_path, monkeypatch, args, says):
+    monkeypatch.chdir(tmp_path)
+    line = one_error_line(run_in_process(prepare.main, *args))
     assert says in line
     assert not (tmp_path / "data" / "x").exists()
 
@@ -164,7 +183,7 @@ def test_cli_mistakes_exit_2_with_one_line(tmp_path, args, says):
 def test_char_tokenizer_refuses_unknown_characters():
     tok = CharTokenizer("abc")
     assert tok.decode(tok.encode("cab")) == "cab"
-    with pytest.raises(Exception, match="'z'"):
+    with pytest.raises(UserError, match="'z'"):
         tok.encode("abz")
 
 
@@ -175,7 +194,14 @@ def test_no_network_names_input(tmp_path, monkeypatch):
         raise urllib.error.URLError("no route to host")
 
     monkeypatch.setattr(prepare.urllib.request, "urlopen", offline)
-    with pytest.raises(prepare.UserError) as e:
+    with pytest.raises(UserError) as e:
         prepare.main(["shakespeare_char", "--data_dir", str(tmp_path / "d")])
     assert "--input" in str(e.value) and "\n" not in str(e.value)
     assert not list((tmp_path / "d").rglob("*.*"))  # no partial download, no dataset
+
+
+def test_prepare_py_as_a_process_exits_2_with_one_line(tmp_path):
+    """The one subprocess here: the script's own __main__ block turns a mistake into `error: ...` and exit 2."""
+    line = one_error_line(run("prepare.py", "text", "--name", "x", cwd=tmp_path))
+    assert "--input" in line
+    assert not (tmp_path / "data").exists()

@@ -2,24 +2,27 @@
 
 import io
 import sys
-from dataclasses import asdict
 
 import pytest
 import torch
 
 import checkpoint
 import sample
-from conftest import make_corpus, run
+from conftest import assert_one_error_line, make_corpus, run_in_process
+from errors import UserError
+from meta import DatasetMeta
 from model import GPT, GPTConfig
 from tokenizer import CharTokenizer, GPT2Tokenizer
+from train import TrainConfig
 
 BLOCK_SIZE = 32
 SEPARATOR = "---------------\n"
 
 
 def save_checkpoint(path, model, tokenizer):
-    checkpoint.save({"model": model.state_dict(), "model_config": asdict(model.config),
-                     "tokenizer": tokenizer.meta()}, str(path))
+    state = checkpoint.training_state(model.state_dict(), model.config, TrainConfig(), DatasetMeta.of(tokenizer),
+                                      iter_num=0, best_val_loss=float("inf"))
+    checkpoint.save(state, str(path))
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +40,14 @@ def char_ckpt(tmp_path_factory):
     return path
 
 
-def sample_stdout(capsys, ckpt, *args):
+def sample_stdout(ckpt, *args):
     """Run sample.py's main in this process; return what it printed to stdout."""
-    return run_sample(capsys, ckpt, *args).out
+    return run_sample(ckpt, *args).stdout
 
 
-def run_sample(capsys, ckpt, *args):
-    """Run sample.py's main in this process; return what it printed (.out and .err)."""
-    capsys.readouterr()
-    sample.main([f"--out_dir={ckpt}", "--device=cpu", *args])
-    return capsys.readouterr()
+def run_sample(ckpt, *args, check=True):
+    """Run sample.py's main in this process; return what it printed (.stdout and .stderr) and its exit status."""
+    return run_in_process(sample.main, f"--out_dir={ckpt}", "--device=cpu", *args, check=check)
 
 
 def split_samples(stdout):
@@ -54,17 +55,18 @@ def split_samples(stdout):
     return [text[:-1] for text in stdout.split(SEPARATOR)[:-1]]  # print() added one newline to each
 
 
-def test_streamed_output_equals_the_batch_output_and_generate(capsys, char_ckpt):
+def test_streamed_output_equals_the_batch_output_and_generate(char_ckpt):
     common = ["--start=ROMEO:", "--max_new_tokens=60", "--temperature=0.9", "--top_k=20", "--seed=5"]
-    streamed = sample_stdout(capsys, char_ckpt, *common, "--num_samples=3", "--stream=True")
-    at_end = sample_stdout(capsys, char_ckpt, *common, "--num_samples=3", "--stream=False")
+    streamed = sample_stdout(char_ckpt, *common, "--num_samples=3", "--stream=True")
+    at_end = sample_stdout(char_ckpt, *common, "--num_samples=3", "--stream=False")
     assert streamed == at_end
     assert len(split_samples(streamed)) == 3
 
     # one sample, streamed, against model.generate with the same seed
-    streamed = sample_stdout(capsys, char_ckpt, *common, "--num_samples=1")
+    streamed = sample_stdout(char_ckpt, *common, "--num_samples=1")
     ckpt = checkpoint.load(str(char_ckpt))
-    model, tokenizer = checkpoint.build_model(ckpt).eval(), CharTokenizer(ckpt["tokenizer"]["chars"])
+    model, tokenizer = ckpt.build_model().eval(), ckpt.meta.make_tokenizer()
+    assert isinstance(tokenizer, CharTokenizer)
     out = model.generate(torch.tensor([tokenizer.encode("ROMEO:")]), 60, temperature=0.9, top_k=20,
                          generator=torch.Generator().manual_seed(5))
     assert streamed == tokenizer.decode(out[0].tolist()) + "\n" + SEPARATOR
@@ -87,38 +89,38 @@ def test_sample_py_prints_the_first_sample_while_the_batch_is_generated(monkeypa
     assert printed == [first[:len("KING") + i] for i in range(1, 26)]
 
 
-def test_a_multi_token_stop_text_cuts_each_sample_at_its_first_occurrence(capsys, char_ckpt):
+def test_a_multi_token_stop_text_cuts_each_sample_at_its_first_occurrence(char_ckpt):
     common = ["--start=ROMEO:", "--max_new_tokens=80", "--num_samples=2", "--seed=3"]
-    free = [text[len("ROMEO:"):] for text in split_samples(sample_stdout(capsys, char_ckpt, *common))]
+    free = [text[len("ROMEO:"):] for text in split_samples(sample_stdout(char_ckpt, *common))]
     stop = free[0][20:23]  # three characters (three tokens) that sample 0 produces
-    stopped = split_samples(sample_stdout(capsys, char_ckpt, *common, f"--stop={stop}"))
+    stopped = split_samples(sample_stdout(char_ckpt, *common, f"--stop={stop}"))
     for text, full in zip(stopped, free):
         cut = full.find(stop)
         assert text == "ROMEO:" + (full[:cut] if cut >= 0 else full)
     assert len(stopped[0]) < len("ROMEO:") + 23
 
 
-def test_temperature_zero_is_the_same_whatever_the_seed(capsys, char_ckpt):
-    texts = [sample_stdout(capsys, char_ckpt, "--start=KING", "--max_new_tokens=30", "--num_samples=2",
+def test_temperature_zero_is_the_same_whatever_the_seed(char_ckpt):
+    texts = [sample_stdout(char_ckpt, "--start=KING", "--max_new_tokens=30", "--num_samples=2",
                            "--temperature=0", f"--seed={seed}") for seed in (1, 2)]
     assert texts[0] == texts[1]
     first, second = split_samples(texts[0])
     assert first == second
 
 
-def test_a_prompt_longer_than_block_size_keeps_its_last_block_size_tokens(capsys, char_ckpt):
+def test_a_prompt_longer_than_block_size_keeps_its_last_block_size_tokens(char_ckpt):
     long = make_corpus()[:90]
     tail = long[-BLOCK_SIZE:]
     args = ["--max_new_tokens=20", "--num_samples=1", "--temperature=0"]
-    from_long = run_sample(capsys, char_ckpt, f"--start={long}", *args)
-    assert from_long.err == f"note: the prompt has 90 tokens; keeping its last {BLOCK_SIZE} (block_size)\n"
-    from_tail = run_sample(capsys, char_ckpt, f"--start={tail}", *args)
-    assert from_tail.err == ""
-    assert from_long.out == long + from_tail.out[len(tail):]  # the continuation of the last 32 characters
+    from_long = run_sample(char_ckpt, f"--start={long}", *args)
+    assert from_long.stderr == f"note: the prompt has 90 tokens; keeping its last {BLOCK_SIZE} (block_size)\n"
+    from_tail = run_sample(char_ckpt, f"--start={tail}", *args)
+    assert from_tail.stderr == ""
+    assert from_long.stdout == long + from_tail.stdout[len(tail):]  # the continuation of the last 32 characters
 
 
 def test_a_prompt_outside_the_character_vocabulary_exits_2_naming_the_characters(char_ckpt):
-    proc = run("sample.py", f"--out_dir={char_ckpt}", "--device=cpu", "--start=Héllo wörld", "--max_new_tokens=5")
+    proc = run_sample(char_ckpt, "--start=Héllo wörld", "--max_new_tokens=5", check=False)
     assert proc.returncode == 2
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()
@@ -126,8 +128,42 @@ def test_a_prompt_outside_the_character_vocabulary_exits_2_naming_the_characters
     assert "'é' 'ö'" in lines[0]
 
 
-def test_a_stop_text_outside_the_vocabulary_is_an_error(capsys, char_ckpt):
-    with pytest.raises(sample.UserError, match=r"--stop: .*'€'"):
+# ---------------------------------------------------------------------- --start=FILE:path
+
+
+def test_a_prompt_from_a_file_gives_the_same_output_as_the_same_text_inline(tmp_path, char_ckpt):
+    text = "ROMEO:\nGood night, sweet lady!\n"  # lines, ending in a newline; shorter than block_size
+    path = tmp_path / "prompt.txt"
+    path.write_bytes(text.encode("utf-8"))
+    args = ["--max_new_tokens=30", "--num_samples=2", "--temperature=0.9", "--seed=4"]
+    from_file = run_sample(char_ckpt, f"--start=FILE:{path}", *args)
+    inline = run_sample(char_ckpt, f"--start={text}", *args)
+    assert from_file.stdout == inline.stdout and from_file.stderr == inline.stderr == ""
+    assert all(s.startswith(text) for s in split_samples(from_file.stdout))
+
+
+def test_a_non_ascii_prompt_file_is_read_as_utf8(tmp_path, bpe_ckpt):
+    path = tmp_path / "prompt.txt"
+    path.write_bytes("Café — 日本".encode("utf-8"))
+    out = sample_stdout(bpe_ckpt, f"--start=FILE:{path}", "--max_new_tokens=3", "--num_samples=1")
+    assert out == "Café — 日本\n" + SEPARATOR
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda d: d / "missing.txt", "missing.txt"),
+    (lambda d: d, "cannot read the prompt file"),  # a directory
+    (lambda d: (d / "latin1.txt").write_bytes(b"caf\xe9 ROMEO\n") and d / "latin1.txt", "latin1.txt"),
+    (lambda d: (d / "empty.txt").write_bytes(b"") or d / "empty.txt", "prompt is empty"),
+])
+def test_bad_prompt_files_exit_2_with_one_line(tmp_path, char_ckpt, make, says):
+    path = make(tmp_path)
+    proc = run_sample(char_ckpt, f"--start=FILE:{path}", "--max_new_tokens=5", check=False)
+    assert_one_error_line(proc, says)
+    assert proc.stdout == ""
+
+
+def test_a_stop_text_outside_the_vocabulary_is_an_error(char_ckpt):
+    with pytest.raises(UserError, match=r"--stop: .*'€'"):
         sample.main([f"--out_dir={char_ckpt}", "--device=cpu", "--stop=€"])
 
 
@@ -180,10 +216,10 @@ def bpe_ckpt(tmp_path_factory):
     return path
 
 
-def test_bpe_samples_stop_at_endoftext_and_never_produce_padding_ids(capsys, bpe_ckpt):
-    out = sample_stdout(capsys, bpe_ckpt, "--start=Hello there", "--max_new_tokens=20", "--num_samples=2")
+def test_bpe_samples_stop_at_endoftext_and_never_produce_padding_ids(bpe_ckpt):
+    out = sample_stdout(bpe_ckpt, "--start=Hello there", "--max_new_tokens=20", "--num_samples=2")
     assert out == ("Hello there\n" + SEPARATOR) * 2
-    model = checkpoint.build_model(checkpoint.load(str(bpe_ckpt))).eval()
+    model = checkpoint.load(str(bpe_ckpt)).build_model().eval()
     assert model.generate(torch.tensor([[15496]]), 2, temperature=0).tolist() == [[15496, 50257, 50257]]
     assert model.generate(torch.tensor([[15496]]), 2, temperature=0, vocab_size=50257).tolist() == \
         [[15496, 50256, 50256]]
