@@ -99,6 +99,9 @@ class Checkpoint:
             if getattr(mc, name) != getattr(cfg, name):
                 raise UserError(f"{self.path} has {name}={getattr(mc, name)} but the config asks for "
                                 f"{getattr(cfg, name)}; resume with the same model settings or start from scratch")
+        optimizer = (self._state.get("train_config") or {}).get("optimizer", "adamw")  # nanoGPT's: AdamW
+        if optimizer != cfg.optimizer:
+            raise UserError(f"{self.path} was trained with optimizer={optimizer}; resume with --optimizer={optimizer}")
         if cfg.vocab_size is not None and cfg.vocab_size != mc.vocab_size:
             raise UserError(f"{self.path} has vocab_size={mc.vocab_size} but the config asks for {cfg.vocab_size}; "
                             f"leave vocab_size out to resume")

@@ -6,7 +6,7 @@ The whole GPT model in one file, read top to bottom:
 It follows GPT-2 (pre-LayerNorm blocks, learned position embedding, tied
 input/output embedding, GELU MLP 4x wide) and keeps nanoGPT's API:
 `GPT(GPTConfig(...))`, `model(idx, targets) -> (logits, loss)`,
-`model.generate(...)`, `configure_optimizers(...)`, `estimate_mfu(...)`.
+`model.generate(...)`, `estimate_mfu(...)` (the optimizer: optimizers.py).
 (GPT-2's published weights load through convert.py, which knows their layout;
 this file imports nothing else of the project.)
 
@@ -15,7 +15,6 @@ position per new token. The cached path gives the same tokens as re-running
 the whole context, including past block_size (see `GPT.next_logits`).
 """
 
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -229,21 +228,6 @@ class GPT(nn.Module):
         assert 0 < block_size <= self.config.block_size
         self.config.block_size = block_size
         self.pos_emb.weight = nn.Parameter(self.pos_emb.weight[:block_size])
-
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW; weight decay on matrices and embeddings (>= 2-D) only, not on biases and LayerNorm gains."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        # the fused kernel is the fastest on CUDA and on the CPU (there 3.5x faster than foreach for
-        # the speedrun's model, BENCHMARKS.md); elsewhere the foreach (multi-tensor) one
-        fused = device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        extra = {"fused": True} if fused else {"foreach": True}
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
 
     def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=312e12):
         """Model FLOPs utilisation: achieved FLOP/s over peak_flops (default A100 bf16, as nanoGPT).

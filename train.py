@@ -32,6 +32,7 @@ from errors import UserError, first_line, run_main
 from hardware import autocast, describe, peak_flops, pick_dtype
 from metrics import Metrics
 from model import GPT, GPTConfig
+from optimizers import build_optimizer, get_lr
 from stopping import StopFlag
 
 
@@ -70,8 +71,11 @@ class TrainConfig:
     bias: bool = setting(False, "biases in Linear and LayerNorm layers")
     vocab_size: Optional[int] = setting(None, "vocabulary size (None: the dataset's; GPT-2 BPE padded to 50304)")
     gelu: str = setting("none", "GELU approximation: none (exact) or tanh (GPT-2)")
-    # AdamW
-    learning_rate: float = setting(6e-4, "peak learning rate")
+    # optimizer
+    optimizer: str = setting("adamw", "adamw, or muon: Muon on the blocks' matrices, AdamW on the rest")
+    learning_rate: float = setting(6e-4, "peak learning rate (AdamW's)")
+    muon_lr: float = setting(0.02, "optimizer=muon: Muon's peak learning rate (follows the same schedule)")
+    muon_momentum: float = setting(0.95, "optimizer=muon: Muon's Nesterov momentum")
     max_iters: int = setting(600000, "optimizer steps in total")
     weight_decay: float = setting(1e-1, "AdamW weight decay (matrices and embeddings only)")
     beta1: float = setting(0.9, "AdamW beta1")
@@ -102,10 +106,15 @@ class TrainConfig:
         for name in ("max_iters", "warmup_iters", "lr_decay_iters", "ckpt_interval"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must not be negative, got {getattr(self, name)}")
-        if not self.learning_rate > 0:
-            raise UserError(f"learning_rate must be positive, got {self.learning_rate}")
+        for name in ("learning_rate", "muon_lr"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.muon_momentum < 1:
+            raise UserError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if self.min_lr < 0 or self.min_lr > self.learning_rate:
             raise UserError(f"min_lr must be between 0 and learning_rate, got {self.min_lr}")
+        if self.optimizer not in ("adamw", "muon"):
+            raise UserError(f"optimizer must be adamw or muon, got {self.optimizer!r}")
         if self.parallel not in ("ddp", "fsdp"):
             raise UserError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
         try:
@@ -159,8 +168,9 @@ class Trainer:
         checkpoint.prepare_out_dir(cfg.out_dir, writes=self.world.is_master)  # (nothing written before this)
         if self.world.distributed and cfg.parallel == "fsdp":
             distributed.shard(self.raw_model)
-        self.optimizer = self.raw_model.configure_optimizers(
-            cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), self.device_type)
+        muon = {"muon_lr": cfg.muon_lr, "muon_momentum": cfg.muon_momentum} if cfg.optimizer == "muon" else {}
+        self.optimizer = build_optimizer(self.raw_model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay,
+                                         (cfg.beta1, cfg.beta2), self.device_type, **muon)
         # fp16 gradients can underflow: scale the loss up, and skip steps whose gradients overflow
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=(self.dtype == "float16"))
         # a non-finite loss is recorded on the device (no sync every step) and checked when logging/saving
@@ -431,19 +441,6 @@ class Trainer:
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             checkpoint.restore_rank_state(saved, self.train_sampler)
-
-
-def get_lr(it, cfg):
-    """Linear warmup (never 0 at step 0), then cosine decay to min_lr at lr_decay_iters."""
-    if not cfg.decay_lr:
-        return cfg.learning_rate
-    if it < cfg.warmup_iters:
-        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
-    if it >= cfg.lr_decay_iters:
-        return cfg.min_lr
-    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
-    return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)
 
 
 if __name__ == "__main__":

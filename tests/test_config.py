@@ -10,7 +10,8 @@ import configurator
 import sample
 from conftest import run_in_process, tiny_train_args, train
 from errors import UserError
-from train import TrainConfig, get_lr
+from optimizers import get_lr
+from train import TrainConfig
 
 
 @dataclass

@@ -75,14 +75,15 @@ def single(data_dir, tmp_path_factory):
     """single(n): (checkpoint, report) of a 1-process run of n steps on the shared batch stream, in this process."""
     done = {}
 
-    def get(max_iters, dataset="tiny"):
-        if (max_iters, dataset) not in done:
+    def get(max_iters, dataset="tiny", optimizer="adamw"):
+        if (max_iters, dataset, optimizer) not in done:
             out = tmp_path_factory.mktemp(f"single{max_iters}") / "out"
-            args = [str(a) for a in train_args(data_dir, out, max_iters=max_iters, dataset=dataset)]
+            args = [str(a) for a in train_args(data_dir, out, max_iters=max_iters, dataset=dataset,
+                                               optimizer=optimizer)]
             instruments = Instruments(shared=True)
             run_in_process(lambda argv: instrumented_run(argv, instruments), *args, check=True)
-            done[max_iters, dataset] = ckpt(out), instruments.report()
-        return done[max_iters, dataset]
+            done[max_iters, dataset, optimizer] = ckpt(out), instruments.report()
+        return done[max_iters, dataset, optimizer]
 
     return get
 
@@ -177,6 +178,21 @@ def test_fsdp_step_equals_single_process_checkpoint_samples_in_one_process_and_r
                        tmp_path / "r2", SHARED_BATCHES=1))
     check_resumed_at(proc, out, 1, 4, single)
     assert report(tmp_path / "r2", 1)["exchanges"] == {"1": 3, "2": 3, "3": 3}
+
+
+def test_muon_on_2_ranks_equals_one_process_with_ddp_and_fsdp_and_resumes_exactly(tmp_path, data_dir, single):
+    # 2 steps under DDP, then resumed under FSDP (whose Muon step gathers each sharded matrix whole for
+    # Newton-Schulz and keeps its own shard of the result) to 4: the one-process run's weights each time
+    out = tmp_path / "out"
+    ok(torchrun(train_args(data_dir, out, max_iters=2, optimizer="muon"), tmp_path / "r1", SHARED_BATCHES=1))
+    assert max_weight_diff(ckpt(out), single(2, optimizer="muon")[0]) < TOL
+    assert max_weight_diff(ckpt(out), single(2)[0]) > 1e-3  # Muon's steps are not AdamW's
+    proc = ok(torchrun(train_args(data_dir, out, max_iters=4, optimizer="muon", parallel="fsdp", init_from="resume"),
+                       tmp_path / "r2", SHARED_BATCHES=1))
+    assert f"resuming from {out}/ckpt.pt at iteration 2" in proc.stdout
+    muon_state = ckpt(out)["optimizer"]["state"]["blocks.0.attn.qkv.weight"]
+    assert set(muon_state) == {"momentum_buffer", "step"} and muon_state["step"].item() == 4
+    assert max_weight_diff(ckpt(out), single(4, optimizer="muon")[0]) < TOL
 
 
 def test_one_gradient_allreduce_per_step_distinct_batches_only_rank0_writes(tmp_path, data_dir):

@@ -113,7 +113,7 @@ def test_tiny_model_overfits_one_batch():
     model = GPT(tiny_config())
     idx = torch.randint(65, (4, 16))
     targets = torch.randint(65, (4, 16))  # random targets: only memorising can fit them
-    opt = model.configure_optimizers(weight_decay=0.0, learning_rate=1e-2, betas=(0.9, 0.99), device_type="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0)
     first = None
     for _ in range(80):  # measured: 0.009 after 50 steps, 0.004 after 75
         _, loss = model(idx, targets)
@@ -179,21 +179,6 @@ def test_get_num_params(bias):
     total = V * C + T * C + L * per_block + ln  # embeddings, blocks, ln_f; lm_head is tok_emb
     assert model.get_num_params(non_embedding=False) == total
     assert model.get_num_params() == total - T * C  # without the position embedding
-
-
-@pytest.mark.parametrize("bias", [True, False])
-def test_configure_optimizers_decays_exactly_the_matrices(bias):
-    model = GPT(tiny_config(bias=bias))
-    opt = model.configure_optimizers(weight_decay=0.1, learning_rate=3e-4, betas=(0.9, 0.95), device_type="cpu")
-    assert isinstance(opt, torch.optim.AdamW)
-    decay = [g for g in opt.param_groups if g["weight_decay"] == 0.1]
-    no_decay = [g for g in opt.param_groups if g["weight_decay"] == 0.0]
-    assert len(decay) == 1 and len(no_decay) == 1
-    ids = lambda params: sorted(id(p) for p in params)  # noqa: E731
-    assert ids(decay[0]["params"]) == ids(p for p in model.parameters() if p.dim() >= 2)
-    assert ids(no_decay[0]["params"]) == ids(p for p in model.parameters() if p.dim() < 2)
-    assert len(no_decay[0]["params"]) > 0  # LayerNorm gains at least
-    assert all(g["lr"] == 3e-4 and g["betas"] == (0.9, 0.95) for g in opt.param_groups)
 
 
 def test_estimate_mfu_formula():

@@ -5,7 +5,7 @@ import re
 
 import torch
 
-from conftest import tiny_train_args, train
+from conftest import assert_one_error_line, tiny_train_args, train
 
 N = 6
 
@@ -84,6 +84,26 @@ def test_n_then_resume_n_equals_2n_straight(tmp_path, char_data):
     train(*args("control", max_iters=2 * N, init_from="resume"))
     c = load(tmp_path / "control" / "ckpt.pt")
     assert not torch.equal(c["model"]["tok_emb.weight"], a["model"]["tok_emb.weight"])
+
+
+def test_muon_resumes_exactly_and_refuses_another_optimizer(tmp_path, char_data):
+    def args(out, **kw):
+        return tiny_train_args(char_data, tmp_path / out, optimizer="muon", muon_lr=0.05, muon_momentum=0.9,
+                               gradient_accumulation_steps=2, eval_interval=100, ckpt_interval=0,
+                               lr_decay_iters=2 * N, **kw)
+
+    train(*args("straight", max_iters=2 * N))
+    train(*args("split", max_iters=N))
+    refused = train(*args("split", max_iters=2 * N, init_from="resume"), "--optimizer=adamw", check=False)
+    assert_one_error_line(refused, "optimizer=muon", "--optimizer=muon")
+    train(*args("split", max_iters=2 * N, init_from="resume"))
+    a, b = load(tmp_path / "straight" / "ckpt.pt"), load(tmp_path / "split" / "ckpt.pt")
+    muon_state = a["optimizer"]["state"]["blocks.1.ffwd.fc.weight"]
+    assert muon_state["momentum_buffer"].any() and muon_state["step"].item() == 2 * N
+    assert [g["use_muon"] for g in a["optimizer"]["param_groups"]] == [True, False, False]
+    assert a["optimizer"]["param_groups"][0]["momentum"] == 0.9
+    for key in ("model", "optimizer", "ranks"):
+        assert_same(a[key], b[key], key)
 
 
 def test_wandb_offline_and_a_resumed_run_continues_the_wandb_run(tmp_path, char_data, monkeypatch):

@@ -12,6 +12,7 @@ import train
 from batches import load_split, whole_split_batches
 from conftest import ROOT, run_in_process, tiny_train_args
 from model import GPT, GPTConfig
+from optimizers import build_optimizer
 from stopping import StopFlag
 
 
@@ -126,7 +127,7 @@ def test_cpu_optimizer_is_fused_and_steps_like_foreach():
     model = GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=2, n_head=2, n_embd=16, bias=False))
     twin = GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=2, n_head=2, n_embd=16, bias=False))
     twin.load_state_dict(model.state_dict())
-    fused = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+    fused = build_optimizer(model, "adamw", 1e-2, 0.1, (0.9, 0.95), "cpu")
     assert fused.defaults["fused"] is True
     params = list(twin.parameters())
     reference = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},

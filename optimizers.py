@@ -1,0 +1,196 @@
+"""
+How the weights are updated: the optimizer (AdamW, or Muon for the hidden matrices with AdamW
+for the rest) and the learning-rate schedule (get_lr).
+
+    optimizer = build_optimizer(model, "muon", learning_rate, weight_decay, betas, device_type,
+                                muon_lr=0.02, muon_momentum=0.95)
+
+Either way it is ONE torch.optim.Optimizer, so the training loop, torch.amp.GradScaler and
+torch.distributed.checkpoint's get/set_optimizer_state_dict treat it like AdamW.
+
+One schedule drives every group: the loop sets group["lr"] to the schedule's AdamW learning rate
+(learning_rate times a warmup/decay multiplier) on every group; a group then steps with
+group["lr"] * group["lr_scale"]. The Muon group's lr_scale is muon_lr / learning_rate, the AdamW
+groups' 1.0, so Muon's rate follows the same warmup and decay, scaled.
+
+Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/): SGD momentum (Nesterov) whose
+update, per matrix, is replaced by the nearest semi-orthogonal matrix (all singular values ~1),
+computed by 5 steps of a quintic Newton-Schulz iteration. It is meant for the 2-D weights inside
+the transformer blocks; embeddings (the token embedding is also the output layer), LayerNorm
+gains and biases stay on AdamW, as in modded-nanogpt.
+"""
+
+import inspect
+import math
+
+import torch
+from torch.optim.adam import adam
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's default)
+
+
+def build_optimizer(model, name, learning_rate, weight_decay, betas, device_type, **muon_settings):
+    """AdamW ("adamw", as nanoGPT's configure_optimizers) or MuonAdamW ("muon").
+
+    muon_settings (only for "muon"): muon_lr (default 0.02), muon_momentum (0.95), muon_nesterov
+    (True), muon_weight_decay (0.0), muon_ns_steps (5), muon_adjust_lr ("original": scale the
+    update by sqrt(max(1, rows/cols)); "match_rms_adamw": 0.2 * sqrt(max(rows, cols)))."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    # the fused kernel is the fastest on CUDA and on the CPU (there 3.5x faster than foreach for
+    # the speedrun's model, BENCHMARKS.md); elsewhere the foreach (multi-tensor) one
+    fused = device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
+    kernel = {"fused": True} if fused else {"foreach": True}
+    if name == "adamw":
+        if muon_settings:
+            raise ValueError(f"muon settings given for optimizer adamw: {sorted(muon_settings)}")
+        return torch.optim.AdamW(_adamw_groups(params.values(), weight_decay), lr=learning_rate,
+                                 betas=betas, **kernel)
+    if name != "muon":
+        raise ValueError(f"unknown optimizer {name!r}; use adamw or muon")
+    s = {"muon_lr": 0.02, "muon_momentum": 0.95, "muon_nesterov": True, "muon_weight_decay": 0.0,
+         "muon_ns_steps": 5, "muon_adjust_lr": "original"}
+    unknown = set(muon_settings) - set(s)
+    if unknown:
+        raise ValueError(f"unknown muon settings {sorted(unknown)}; known: {sorted(s)}")
+    s.update(muon_settings)
+    hidden = [p for n, p in params.items() if is_hidden_matrix(n, p)]
+    rest = [p for n, p in params.items() if not is_hidden_matrix(n, p)]
+    muon_group = {"params": hidden, "use_muon": True, "lr_scale": s["muon_lr"] / learning_rate,
+                  "weight_decay": s["muon_weight_decay"]}
+    groups = [muon_group] + _adamw_groups(rest, weight_decay)
+    return MuonAdamW(groups, lr=learning_rate, betas=betas, momentum=s["muon_momentum"],
+                     nesterov=s["muon_nesterov"], ns_steps=s["muon_ns_steps"],
+                     adjust_lr_fn=s["muon_adjust_lr"], **kernel)
+
+
+def is_hidden_matrix(name, param):
+    """The 2-D weights inside the blocks (attention qkv/proj, MLP fc/proj): Muon's share."""
+    return name.startswith("blocks.") and param.dim() == 2
+
+
+def _adamw_groups(params, weight_decay):
+    """Weight decay on matrices and embeddings (>= 2-D) only, not on biases and LayerNorm gains."""
+    params = list(params)
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+class MuonAdamW(torch.optim.AdamW):
+    """AdamW, except that groups with use_muon=True take Muon's update; every group steps with
+    lr * lr_scale. Being an AdamW subclass, the AdamW groups run torch's own AdamW code (bit-identical
+    to torch.optim.AdamW) and every group carries the same keys, which checkpoint round trips keep."""
+
+    def __init__(self, params, lr, betas, momentum=0.95, nesterov=True, ns_steps=5,
+                 adjust_lr_fn="original", **adamw_kwargs):
+        super().__init__(params, lr=lr, betas=betas, **adamw_kwargs)
+        for group in self.param_groups:
+            group.setdefault("use_muon", False)
+            group.setdefault("lr_scale", 1.0)
+            for key, value in (("momentum", momentum), ("nesterov", nesterov), ("ns_steps", ns_steps),
+                               ("adjust_lr_fn", adjust_lr_fn)):
+                group.setdefault(key, value)
+            if group["use_muon"] and any(p.dim() != 2 for p in group["params"]):
+                raise ValueError("Muon groups take 2-D matrices only")
+        # GradScaler then unscales, checks for inf/NaN and skips the step itself (the fused AdamW
+        # kernel could do that inside, but the Muon update could not)
+        self._step_supports_amp_scaling = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _adamw_step(self, group):
+        """torch.optim.Adam.step for one group (decoupled weight decay: AdamW), at lr * lr_scale."""
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+        has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+        beta1, beta2 = group["betas"]
+        adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"],
+             has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"] * group["lr_scale"],
+             weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+             foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
+             fused=group["fused"], grad_scale=None, found_inf=None,
+             decoupled_weight_decay=group["decoupled_weight_decay"])
+
+    def _muon_step(self, group):
+        """torch.optim.Muon's update (Nesterov momentum, Newton-Schulz, decoupled weight decay),
+        with the orthogonalisation in float32 on the CPU and gathered whole under FSDP."""
+        lr = group["lr"] * group["lr_scale"]
+        momentum = group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                # a step count, as AdamW's state has (Adam's load_state_dict expects one in every state)
+                state["step"] = torch.zeros((), dtype=torch.float32)
+            state["step"] += 1
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - momentum)  # buf = momentum * buf + (1 - momentum) * grad
+            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+            update = _orthogonalize(update, group["ns_steps"])
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(update, alpha=-lr * _lr_ratio(group["adjust_lr_fn"], p.shape))
+
+
+def _lr_ratio(adjust_lr_fn, shape):
+    """Update scale per matrix shape, as torch.optim.Muon: "original" keeps the update's RMS
+    independent of the aspect ratio; "match_rms_adamw" gives about AdamW's update RMS (Moonshot)."""
+    rows, cols = shape
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1.0, rows / cols))
+
+
+def _orthogonalize(update, ns_steps):
+    """Newton-Schulz of the whole matrix. Under FSDP2 a parameter, its grad and the momentum are
+    DTensors sharded on dim 0, and the iteration needs the whole matrix: gather it (one all-gather),
+    orthogonalise it on every rank (the same input gives the same result), and keep this rank's
+    shard of the result (distribute_tensor with src_data_rank=None slices locally, no communication)."""
+    if not hasattr(update, "full_tensor"):  # a plain tensor (one process, or DDP)
+        return newton_schulz(update, ns_steps)
+    from torch.distributed.tensor import distribute_tensor
+
+    full = newton_schulz(update.full_tensor(), ns_steps)
+    return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+
+
+def newton_schulz(g, steps=5, coefficients=NS_COEFFICIENTS, eps=1e-7):
+    """About U V^T for G = U S V^T (singular values pushed into ~[0.7, 1.2]), as torch.optim.Muon.
+    In bfloat16 on CUDA, as Muon's authors do; in float32 elsewhere: torch.optim.Muon always uses
+    bfloat16, which CPUs without native bf16 (AVX2) emulate, many times slower than float32."""
+    a, b, c = coefficients
+    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
+    tall = g.size(0) > g.size(1)
+    if tall:  # iterate on the smaller Gram matrix
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # Frobenius norm >= spectral norm: singular values <= 1
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    if tall:
+        x = x.T
+    return x.to(g.dtype)
+
+
+def get_lr(it, cfg):
+    """The schedule (of the AdamW rate; Muon's follows it, scaled): linear warmup (never 0 at step 0),
+    then cosine decay to min_lr at lr_decay_iters."""
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if it >= cfg.lr_decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
+    return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)

@@ -1,0 +1,186 @@
+"""optimizers.build_optimizer: which parameter gets which update, the updates themselves (checked
+against values computed here by hand, or against torch's AdamW), checkpoint round trips, GradScaler."""
+
+import copy
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+from optimizers import build_optimizer
+
+LR, MUON_LR, WD, BETAS = 1e-3, 0.02, 0.1, (0.9, 0.99)
+HIDDEN = {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.qkv", "attn.proj", "ffwd.fc", "ffwd.proj")}
+
+
+def tiny_model(bias=False):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=2, n_head=2, n_embd=8, bias=bias))
+
+
+def loss_step(model, opt, seed, scaler=None):
+    """One forward/backward on a fixed random batch, then the optimizer step."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randint(11, (3, 8), generator=g), torch.randint(11, (3, 8), generator=g)
+    _, loss = model(x, y)
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    opt.zero_grad(set_to_none=True)
+
+
+def names_of(model, params):
+    ids = {id(p) for p in params}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_muon_takes_the_hidden_matrices_adamw_the_rest(bias):
+    model = tiny_model(bias)
+    opt = build_optimizer(model, "muon", LR, WD, BETAS, "cpu", muon_lr=MUON_LR)
+    muon, decay, no_decay = opt.param_groups
+    assert muon["use_muon"] and not decay["use_muon"] and not no_decay["use_muon"]
+    assert names_of(model, muon["params"]) == HIDDEN
+    assert names_of(model, decay["params"]) == {"tok_emb.weight", "pos_emb.weight"}  # tok_emb is lm_head too
+    expected_1d = {n for n, p in model.named_parameters() if p.dim() == 1}
+    assert names_of(model, no_decay["params"]) == expected_1d and (len(expected_1d) > 5 if bias else True)
+    assert (muon["weight_decay"], decay["weight_decay"], no_decay["weight_decay"]) == (0.0, WD, 0.0)
+    assert (muon["lr_scale"], decay["lr_scale"], no_decay["lr_scale"]) == (MUON_LR / LR, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_adamw_decays_exactly_the_matrices(bias):
+    model = tiny_model(bias)
+    opt = build_optimizer(model, "adamw", 3e-4, 0.1, (0.9, 0.95), "cpu")
+    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
+    decay = [g for g in opt.param_groups if g["weight_decay"] == 0.1]
+    no_decay = [g for g in opt.param_groups if g["weight_decay"] == 0.0]
+    assert len(decay) == 1 and len(no_decay) == 1
+    assert names_of(model, decay[0]["params"]) == {n for n, p in model.named_parameters() if p.dim() >= 2}
+    assert names_of(model, no_decay[0]["params"]) == {n for n, p in model.named_parameters() if p.dim() < 2}
+    assert len(no_decay[0]["params"]) > 0  # LayerNorm gains at least
+    assert all(g["lr"] == 3e-4 and g["betas"] == (0.9, 0.95) for g in opt.param_groups)
+
+
+def test_adamw_groups_get_exactly_adamws_update():
+    a, b = tiny_model(), tiny_model()
+    opt = build_optimizer(a, "muon", LR, WD, BETAS, "cpu", muon_lr=MUON_LR)
+    # the reference: torch's fused AdamW alone on the same non-hidden parameters, same groups
+    rest = [p for n, p in b.named_parameters() if n not in HIDDEN]
+    ref = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": WD},
+                             {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=LR, betas=BETAS, fused=True)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        for p, q in zip(a.parameters(), b.parameters()):  # the same gradients for both
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        for group in opt.param_groups + ref.param_groups:
+            group["lr"] = LR * (step + 1) / 3
+        opt.step()
+        ref.step()
+    for n, p in a.named_parameters():
+        if n not in HIDDEN:
+            assert torch.equal(p, dict(b.named_parameters())[n]), n
+
+
+def newton_schulz_by_hand(m, steps=5):
+    """Keller Jordan's quintic iteration X <- aX + (bA + cA^2)X, A = XX^T, in float64."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = m.double()
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / x.norm()
+    for _ in range(steps):
+        A = x @ x.T
+        x = a * x + (b * A + c * A @ A) @ x
+    return x.T if tall else x
+
+
+def test_muon_update_is_the_orthogonalised_nesterov_momentum():
+    model = tiny_model()
+    opt = build_optimizer(model, "muon", LR, WD, BETAS, "cpu", muon_lr=MUON_LR, muon_momentum=0.9,
+                          muon_weight_decay=0.5)
+    w = model.blocks[0].ffwd.fc.weight  # 32 x 8: tall, so the update is scaled by sqrt(32 / 8) = 2
+    grads = [torch.randn(32, 8, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    expected, buf = w.detach().double().clone(), torch.zeros(32, 8, dtype=torch.float64)
+    lr_mult = [1.0, 0.5]  # a schedule multiplier, applied to group["lr"] as train.py does
+    for g, mult in zip(grads, lr_mult):
+        for group in opt.param_groups:
+            group["lr"] = LR * mult
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        w.grad = g.clone()
+        opt.step()
+        buf = 0.9 * buf + 0.1 * g.double()  # torch.optim.Muon's momentum: buf.lerp_(g, 1 - momentum)
+        nesterov = g.double() + 0.9 * (buf - g.double())  # g.lerp(buf, momentum)
+        lr = MUON_LR * mult
+        expected = expected * (1 - lr * 0.5) - lr * 2.0 * newton_schulz_by_hand(nesterov)
+        torch.testing.assert_close(w.detach().double(), expected, rtol=0, atol=2e-6)
+    # and the orthogonalised matrix has its singular values near 1 (the quintic's band is ~0.7-1.2)
+    s = torch.linalg.svdvals(newton_schulz_by_hand(grads[0]))
+    assert s.min() > 0.6 and s.max() < 1.25
+
+
+def test_state_dict_round_trip_gives_identical_steps():
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    a = tiny_model()
+    opt_a = build_optimizer(a, "muon", LR, WD, BETAS, "cpu", muon_lr=MUON_LR)
+    for step in range(2):
+        loss_step(a, opt_a, step)
+    for how in ("plain", "dcp"):
+        b = copy.deepcopy(a)
+        opt_b = build_optimizer(b, "muon", 5e-4, 0.0, (0.8, 0.9), "cpu", muon_lr=0.1)  # all overwritten
+        if how == "plain":
+            opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+        else:
+            options = StateDictOptions(full_state_dict=True)
+            state = get_optimizer_state_dict(a, opt_a, options=options)
+            set_optimizer_state_dict(b, opt_b, copy.deepcopy(state), options=options)
+            for group in opt_b.param_groups:  # as train.py does after the round trip
+                group["betas"] = tuple(group["betas"])
+        for ga, gb in zip(opt_a.param_groups, opt_b.param_groups):
+            assert {k: v for k, v in ga.items() if k != "params"} == {k: v for k, v in gb.items() if k != "params"}
+        a2, opt_a2 = copy.deepcopy(a), None
+        opt_a2 = build_optimizer(a2, "muon", LR, WD, BETAS, "cpu", muon_lr=MUON_LR)
+        opt_a2.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+        for step in range(2, 4):
+            loss_step(a2, opt_a2, step)
+            loss_step(b, opt_b, step)
+        for (n, p), q in zip(a2.named_parameters(), b.parameters()):
+            assert torch.equal(p, q), (how, n)
+
+
+def test_grad_scaler_unscales_and_skips_bad_steps():
+    a, b = tiny_model(), tiny_model()
+    opt_a = build_optimizer(a, "muon", LR, WD, BETAS, "cpu", muon_lr=MUON_LR)
+    opt_b = build_optimizer(b, "muon", LR, WD, BETAS, "cpu", muon_lr=MUON_LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)  # a power of 2: unscaling is exact
+    for step in range(2):
+        loss_step(a, opt_a, step)
+        loss_step(b, opt_b, step, scaler)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+    # an infinite gradient: the scaler skips the step and halves its scale
+    before = [p.detach().clone() for p in b.parameters()]
+    _, loss = b(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    scaler.scale(loss).backward()
+    b.blocks[0].attn.qkv.weight.grad[0, 0] = float("inf")
+    scaler.step(opt_b)
+    scaler.update()
+    assert all(torch.equal(p, q) for p, q in zip(b.parameters(), before))
+    assert scaler.get_scale() == 2.0 ** 9
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        build_optimizer(tiny_model(), "sgd", LR, WD, BETAS, "cpu")
+    with pytest.raises(ValueError, match="unknown muon settings"):
+        build_optimizer(tiny_model(), "muon", LR, WD, BETAS, "cpu", muon_lrr=0.1)
