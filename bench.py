@@ -18,6 +18,14 @@ turn `repeats` times; prints both wall times, their ratio and both final val los
 
     python bench.py --mode=speedrun --repeats=3
 
+mode=prepare: tokens/s and the peak memory of the process tree of the large-corpus preparation
+(prepare.py fineweb_edu --input: corpus.prepare_corpus on num_proc processes, timed whole) against
+tiktoken's multi-threaded encode_ordinary_batch on the same documents (its encode calls alone), in
+the same run; the two token counts must agree. Without --input, a synthetic corpus of corpus_mb MiB
+is written first; it and the shards go to a temporary directory ($TMPDIR). See bench_prepare.py.
+
+    python bench.py --mode=prepare [--input=PATH] [--corpus_mb=500] [--num_proc=N]
+
 Every train.py setting is a setting here too, so training config files work as they are;
 vocab_size defaults to the configured dataset's when it has been prepared. Each figure is the
 median of `repeats` measurements taken after `warmup` unmeasured ones.
@@ -38,6 +46,7 @@ import torch
 
 import configurator
 import meta
+from bench_prepare import bench_prepare
 from configurator import setting
 from errors import UserError, run_main
 from hardware import describe as describe_device
@@ -47,7 +56,8 @@ from train import TrainConfig, Trainer
 
 @dataclass
 class BenchConfig(TrainConfig):
-    mode: str = setting("sample", "sample (generation with and without the KV cache) or train (one training step)")
+    mode: str = setting("sample", "sample (generation with and without the KV cache), train (one training step), "
+                               "speedrun (whole train.py runs) or prepare (corpus preparation)")
     warmup: int = setting(1, "unmeasured runs (sample) or iterations (train) before the measured ones (compilation, "
                              "caches)")
     repeats: int = setting(3, "measured runs or iterations; the median is reported")
@@ -55,16 +65,27 @@ class BenchConfig(TrainConfig):
     prompt_len: int = setting(8, "mode=sample: tokens in the random prompt")
     threads: int = setting(0, "CPU threads for PyTorch (0: its default, one per core)")
     speedrun: str = setting("config/speedrun_shakespeare_char_cpu.py", "mode=speedrun: the speedrun's config file")
+    input: str = setting("", "mode=prepare: the corpus, as prepare.py fineweb_edu --input takes it (a file or "
+                             "directory of JSON lines / parquet with a text field); empty: a synthetic one")
+    corpus_mb: int = setting(500, "mode=prepare without --input: MiB of synthetic JSON lines to write first")
+    text_source: str = setting("../shared/data/tinyshakespeare/input.txt", "mode=prepare: the text the "
+                                                                          "synthetic corpus is cut from")
+    num_proc: int = setting(0, "mode=prepare: prepare's processes and tiktoken's threads (0: every core)")
+    shard_tokens: int = setting(0, "mode=prepare: tokens per shard (0: prepare.py's 100M, or half the corpus "
+                                   "where it is smaller)")
 
     def validate(self):
         super().validate()
-        if self.mode not in ("sample", "train", "speedrun"):
-            raise UserError(f"mode must be sample, train or speedrun, got {self.mode!r}")
+        if self.mode not in ("sample", "train", "speedrun", "prepare"):
+            raise UserError(f"mode must be sample, train, speedrun or prepare, got {self.mode!r}")
         if self.warmup < 0:
             raise UserError(f"warmup must not be negative, got {self.warmup}")
         if self.threads < 0:
             raise UserError(f"threads must not be negative, got {self.threads}")
-        for name in ("repeats", "max_new_tokens", "prompt_len"):
+        for name in ("num_proc", "shard_tokens"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name} must not be negative, got {getattr(self, name)}")
+        for name in ("repeats", "max_new_tokens", "prompt_len", "corpus_mb"):
             if getattr(self, name) <= 0:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
         if self.prompt_len > self.block_size:
@@ -203,12 +224,13 @@ def bench_speedrun(cfg, workdir):
 
 def main(argv=None):
     cfg = configurator.parse(BenchConfig, argv, usage="python bench.py [config/FILE.py ...] [--key=value ...] "
-                                                      "--mode=sample|train|speedrun")
+                                                      "--mode=sample|train|speedrun|prepare")
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
-        return {"sample": bench_sample, "train": bench_train, "speedrun": bench_speedrun}[cfg.mode](cfg, workdir)
+        return {"sample": bench_sample, "train": bench_train, "speedrun": bench_speedrun,
+                "prepare": bench_prepare}[cfg.mode](cfg, workdir)
 
 
 if __name__ == "__main__":

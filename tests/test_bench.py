@@ -1,10 +1,18 @@
-"""bench.py on tiny models: both modes run, read training config files, and report what they measured."""
+"""bench.py on tiny models and a tiny corpus: the modes run, read training config files, and report what they
+measured."""
+
+import dataclasses
+import json
+import os
+import re
 
 import pytest
 
 import bench
-from conftest import ROOT
+import bench_prepare
+from conftest import ROOT, assert_one_error_line, make_corpus, run_in_process
 from configurator import UserError
+from tokenizer import gpt2_encoding
 
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--device=cpu", "--warmup=1", "--repeats=2"]
 
@@ -26,8 +34,52 @@ def test_train_mode_reads_a_training_config_file(capsys):
     assert out.count(" ms\n") == 3 and "median" in out and "tokens/s" in out
 
 
-@pytest.mark.parametrize("arg,message", [("--mode=fast", "mode must be sample, train or speedrun, got 'fast'"),
-                                         ("--prompt_len=17", "prompt_len .17. must be at most block_size")])
+@pytest.mark.parametrize("arg,message", [("--mode=fast", "mode must be sample, train, speedrun or prepare, got 'fast'"),
+                                         ("--prompt_len=17", "prompt_len .17. must be at most block_size"),
+                                         ("--num_proc=-1", "num_proc must not be negative"),
+                                         ("--corpus_mb=0", "corpus_mb must be positive")])
 def test_bad_settings_are_one_line_errors(arg, message):
     with pytest.raises(UserError, match=message):
         bench.main([*TINY, arg])
+
+
+def test_prepare_mode_counts_the_same_tokens_as_tiktoken(tmp_path):
+    docs = [make_corpus(n_lines=12, seed=i) for i in range(300)] + ["", "naïve café, 東京 <|endoftext|> as text"]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs), encoding="utf-8")
+    enc = gpt2_encoding()  # built here once: the forked processes of the benchmark inherit it
+    expected = sum(1 + len(enc.encode_ordinary(doc)) for doc in docs)
+    proc = run_in_process(bench.main, "--mode=prepare", f"--input={path}", "--num_proc=2", check=True)
+    reported = re.findall(r"^(tiktoken|prepare_corpus)\b.*?: ([\d,]+) tokens, ([\d,]+) documents, .* Mtok/s, (.*)$",
+                          proc.stdout, re.M)
+    assert [(name, int(tokens.replace(",", "")), int(n.replace(",", ""))) for name, tokens, n, _ in reported] == \
+        [("tiktoken", expected, len(docs)), ("prepare_corpus", expected, len(docs))]
+    if bench_prepare.memory_measurable():
+        assert all(re.fullmatch(r"peak Rss [\d,]+ MiB, Pss [\d,]+ MiB", memory) for *_, memory in reported)
+    assert re.search(r"^prepare_corpus / tiktoken: \d+\.\d+ of tiktoken's tokens/s", proc.stdout, re.M)
+    assert proc.stdout.startswith("machine: ")
+
+
+def test_counts_that_disagree_stop_the_benchmark():
+    tiktoken = bench_prepare.Measurement("tiktoken", 1000, 10, 1.0, "encode calls only")
+    for ours in (dataclasses.replace(tiktoken, tokens=999), dataclasses.replace(tiktoken, documents=11)):
+        with pytest.raises(RuntimeError, match="did not encode the same text"):
+            bench_prepare.check_same_text(tiktoken, ours)
+
+
+def test_the_synthetic_corpus_is_the_text_shuffled_copy_by_copy(tmp_path):
+    source = tmp_path / "source.txt"
+    source.write_text(make_corpus(), encoding="utf-8")
+    out = tmp_path / "corpus.jsonl"
+    documents = bench_prepare.write_synthetic_corpus(source, out, megabytes=1)
+    docs = [json.loads(line)["text"] for line in out.read_text(encoding="utf-8").splitlines()]
+    assert len(docs) == documents and 1 << 20 <= os.path.getsize(out) < (1 << 20) + 4000
+    parts = -(-len(make_corpus().split("\n")) // bench_prepare.SYNTHETIC_DOC_LINES)
+    first, second = docs[0], docs[parts]  # the same part of copies 0 and 1
+    assert first.startswith("Copy 0, part 0. ") and second.startswith("Copy 1, part 0. ")
+    assert first[16:] != second[16:] and sorted(first[16:].split(" ")) == sorted(second[16:].split(" "))
+
+
+def test_a_missing_text_source_is_one_line(tmp_path):
+    proc = run_in_process(bench.main, "--mode=prepare", f"--text_source={tmp_path / 'none.txt'}")
+    assert_one_error_line(proc, "--text_source", "none.txt")
