@@ -240,10 +240,6 @@ class HubSource:
 # ---------------------------------------------------------------------------- tokenization
 
 
-def _init_worker():
-    gpt2_encoding()  # build the encoding once per worker process, not once per chunk
-
-
 def encode_chunk(docs):
     """[eot] + encode_ordinary(doc) for each document: (all tokens as uint16, tokens per document)."""
     enc = gpt2_encoding()
@@ -278,7 +274,8 @@ def encoded_chunks(documents, num_proc):
         return
     import multiprocessing
 
-    with multiprocessing.Pool(num_proc, initializer=_init_worker) as pool:
+    gpt2_encoding()  # built once here, before the workers fork: they inherit it instead of each building it
+    with multiprocessing.Pool(num_proc) as pool:
         pending = deque()
         for chunk in _chunks(documents):
             pending.append(pool.apply_async(encode_chunk, (chunk,)))

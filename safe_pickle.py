@@ -17,8 +17,6 @@ import pickle
 import re
 import zipfile
 
-import torch
-
 from errors import UserError, first_line
 
 # what the weights_only unpickler says when a file asks it to build an object or call a function
@@ -27,6 +25,9 @@ _UNSAFE_SIGNS = ("GLOBAL", "unrecognized function", "Can only create new object"
 
 def torch_load(path):
     """torch.load a file of tensors and plain data (weights_only=True) onto the CPU; one-line errors."""
+    import torch  # here, not at the top: prepare.py reads meta.pkl through this module and needs no torch
+    # (importing it costs ~2 s and ~220 MB in prepare.py and in every worker process it forks)
+
     corrupt = f"checkpoint {path} is truncated or corrupt"
     # torch.save has written zip files since PyTorch 1.6; anything else is damaged or not a checkpoint
     if not zipfile.is_zipfile(path):
