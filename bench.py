@@ -64,7 +64,10 @@ class BenchConfig(TrainConfig):
     max_new_tokens: int = setting(500, "mode=sample: tokens to generate per run (batch 1, greedy)")
     prompt_len: int = setting(8, "mode=sample: tokens in the random prompt")
     threads: int = setting(0, "CPU threads for PyTorch (0: its default, one per core)")
-    speedrun: str = setting("config/speedrun_shakespeare_char_cpu.py", "mode=speedrun: the speedrun's config file")
+    recipe: str = setting("cpu", "mode=speedrun: cpu (the CPU speedrun against nanoGPT's CPU recipe) or gpu (the GPU "
+                                 "speedrun against nanoGPT's GPU recipe, config/train_shakespeare_char.py)")
+    speedrun: str = setting("", "mode=speedrun: the speedrun's config file (empty: config/speedrun_shakespeare_char_"
+                                "RECIPE.py)")
     input: str = setting("", "mode=prepare: the corpus, as prepare.py fineweb_edu --input takes it (a file or "
                              "directory of JSON lines / parquet with a text field); empty: a synthetic one")
     corpus_mb: int = setting(500, "mode=prepare without --input: MiB of synthetic JSON lines to write first")
@@ -78,6 +81,8 @@ class BenchConfig(TrainConfig):
         super().validate()
         if self.mode not in ("sample", "train", "speedrun", "prepare"):
             raise UserError(f"mode must be sample, train, speedrun or prepare, got {self.mode!r}")
+        if self.recipe not in NANOGPT_RECIPES:
+            raise UserError(f"recipe must be cpu or gpu, got {self.recipe!r}")
         if self.warmup < 0:
             raise UserError(f"warmup must not be negative, got {self.warmup}")
         if self.threads < 0:
@@ -186,10 +191,14 @@ def bench_train(cfg, workdir):
     return statistics.median(times)
 
 
-# nanoGPT's CPU recipe (its README), in float32 as nanoGPT runs it on a CPU
-NANOGPT_CPU_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
-                      "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
-                      "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0", "--dtype=float32"]
+# nanoGPT's recipes through our train.py: its GPU config as it is (compiled, bfloat16 on CUDA), and its
+# CPU recipe (its README) in float32, as nanoGPT runs it on a CPU
+NANOGPT_RECIPES = {
+    "gpu": ["config/train_shakespeare_char.py"],
+    "cpu": ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
+            "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
+            "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0", "--dtype=float32"],
+}
 
 
 def timed_training(args, workdir, data_dir):
@@ -206,12 +215,14 @@ def timed_training(args, workdir, data_dir):
 
 def bench_speedrun(cfg, workdir):
     data_dir = os.path.abspath(cfg.data_dir)
-    print(f"speedrun ({cfg.speedrun}) against nanoGPT's CPU recipe, {cfg.repeats} pair(s), one after the other; "
-          f"{describe_device('cpu', pick_dtype('auto', 'cpu'))} with dtype=auto")
+    speedrun = cfg.speedrun or f"config/speedrun_shakespeare_char_{cfg.recipe}.py"
+    device = "cuda" if cfg.recipe == "gpu" else "cpu"
+    print(f"speedrun ({speedrun}) against nanoGPT's {cfg.recipe.upper()} recipe, {cfg.repeats} pair(s), one after the "
+          f"other; {describe_device(device, pick_dtype('auto', device))} with dtype=auto")
     runs = []
     for i in range(cfg.repeats):
-        fast, slow = timed_training([cfg.speedrun], workdir, data_dir), timed_training(NANOGPT_CPU_RECIPE, workdir,
-                                                                                     data_dir)
+        fast = timed_training([speedrun], workdir, data_dir)
+        slow = timed_training(NANOGPT_RECIPES[cfg.recipe], workdir, data_dir)
         runs.append((fast, slow))
         print(f"pair {i + 1}: speedrun {fast[0]:.1f} s (val {fast[1]:.4f}), nanoGPT's recipe {slow[0]:.1f} s "
               f"(val {slow[1]:.4f}), ratio {fast[0] / slow[0]:.3f}", flush=True)

@@ -1,6 +1,6 @@
 """
 How the weights are updated: the optimizer (AdamW, or Muon for the hidden matrices with AdamW
-for the rest) and the learning-rate schedule (get_lr).
+for the rest) and the schedule of its learning rate and momentum (set_schedule).
 
     optimizer = build_optimizer(model, "muon", learning_rate, weight_decay, betas, device_type,
                                 muon_lr=0.02, muon_momentum=0.95)
@@ -180,6 +180,25 @@ def newton_schulz(g, steps=5, coefficients=NS_COEFFICIENTS, eps=1e-7):
     if tall:
         x = x.T
     return x.to(g.dtype)
+
+
+def set_schedule(optimizer, it, cfg):
+    """Set step it's learning rate on every group (get_lr) and Muon's momentum; returns the learning rate."""
+    lr = get_lr(it, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+        if group.get("use_muon"):
+            group["momentum"] = muon_momentum(it, cfg)
+    return lr
+
+
+def muon_momentum(it, cfg):
+    """Muon's momentum at step it: from 0.85 to muon_momentum over muon_momentum_warmup steps, as in
+    modded-nanogpt (less momentum while the gradients change fast at the start), then constant."""
+    if it >= cfg.muon_momentum_warmup:
+        return cfg.muon_momentum
+    frac = it / cfg.muon_momentum_warmup
+    return (1 - frac) * 0.85 + frac * cfg.muon_momentum
 
 
 def get_lr(it, cfg):

@@ -32,7 +32,7 @@ from errors import UserError, first_line, run_main
 from hardware import autocast, describe, peak_flops, pick_dtype
 from metrics import Metrics
 from model import GPT, GPTConfig
-from optimizers import build_optimizer, get_lr
+from optimizers import build_optimizer, set_schedule
 from stopping import StopFlag
 
 
@@ -76,6 +76,8 @@ class TrainConfig:
     learning_rate: float = setting(6e-4, "peak learning rate (AdamW's)")
     muon_lr: float = setting(0.02, "optimizer=muon: Muon's peak learning rate (follows the same schedule)")
     muon_momentum: float = setting(0.95, "optimizer=muon: Muon's Nesterov momentum")
+    muon_momentum_warmup: int = setting(0, "optimizer=muon: steps over which Muon's momentum goes from 0.85 to "
+                                           "muon_momentum (0: muon_momentum from the start)")
     max_iters: int = setting(600000, "optimizer steps in total")
     weight_decay: float = setting(1e-1, "AdamW weight decay (matrices and embeddings only)")
     beta1: float = setting(0.9, "AdamW beta1")
@@ -103,7 +105,7 @@ class TrainConfig:
         for name in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size"):
             if getattr(self, name) <= 0:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_iters", "warmup_iters", "lr_decay_iters", "ckpt_interval"):
+        for name in ("max_iters", "warmup_iters", "lr_decay_iters", "ckpt_interval", "muon_momentum_warmup"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must not be negative, got {getattr(self, name)}")
         for name in ("learning_rate", "muon_lr"):
@@ -201,9 +203,7 @@ class Trainer:
             x, y = self.next_batch()
             t0, local_iter = time.time(), 0
             while True:
-                lr = get_lr(self.iter_num, cfg)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
+                lr = set_schedule(self.optimizer, self.iter_num, cfg)
                 if self._eval_due(local_iter):
                     self.evaluate_and_checkpoint(lr)
                     if cfg.eval_only:

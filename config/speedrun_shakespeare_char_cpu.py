@@ -25,9 +25,12 @@ n_head = 4
 n_embd = 128
 dropout = 0.0
 
-learning_rate = 5e-3  # 1e-2 diverges, 7e-3 and 3e-3 end higher
-max_iters = 1400
-lr_decay_iters = 1400
+optimizer = "muon"  # Muon on the blocks' matrices, AdamW on embeddings and gains
+muon_lr = 0.02
+muon_momentum_warmup = 300
+learning_rate = 5e-3  # AdamW's
+max_iters = 600
+lr_decay_iters = 600
 min_lr = 5e-4
 beta2 = 0.99
 warmup_iters = 30

@@ -37,7 +37,8 @@ def test_train_mode_reads_a_training_config_file(capsys):
 @pytest.mark.parametrize("arg,message", [("--mode=fast", "mode must be sample, train, speedrun or prepare, got 'fast'"),
                                          ("--prompt_len=17", "prompt_len .17. must be at most block_size"),
                                          ("--num_proc=-1", "num_proc must not be negative"),
-                                         ("--corpus_mb=0", "corpus_mb must be positive")])
+                                         ("--corpus_mb=0", "corpus_mb must be positive"),
+                                         ("--recipe=tpu", "recipe must be cpu or gpu, got 'tpu'")])
 def test_bad_settings_are_one_line_errors(arg, message):
     with pytest.raises(UserError, match=message):
         bench.main([*TINY, arg])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
-from optimizers import build_optimizer
+from optimizers import build_optimizer, set_schedule
 
 LR, MUON_LR, WD, BETAS = 1e-3, 0.02, 0.1, (0.9, 0.99)
 HIDDEN = {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.qkv", "attn.proj", "ffwd.fc", "ffwd.proj")}
@@ -184,3 +184,19 @@ def test_unknown_names_are_refused():
         build_optimizer(tiny_model(), "sgd", LR, WD, BETAS, "cpu")
     with pytest.raises(ValueError, match="unknown muon settings"):
         build_optimizer(tiny_model(), "muon", LR, WD, BETAS, "cpu", muon_lrr=0.1)
+
+
+def test_schedule_sets_every_groups_lr_and_warms_muons_momentum_up():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(decay_lr=True, learning_rate=1e-3, min_lr=1e-4, warmup_iters=0, lr_decay_iters=100,
+                          muon_momentum=0.95, muon_momentum_warmup=300)
+    opt = build_optimizer(tiny_model(), "muon", 1e-3, WD, BETAS, "cpu", muon_lr=MUON_LR)
+    for it, momentum in ((0, 0.85), (150, 0.90), (300, 0.95), (1000, 0.95)):
+        lr = set_schedule(opt, it, cfg)
+        assert [g["lr"] for g in opt.param_groups] == [lr] * 3
+        assert opt.param_groups[0]["momentum"] == pytest.approx(momentum, abs=1e-12)
+    assert lr == 1e-4  # past lr_decay_iters
+    cfg.muon_momentum_warmup = 0
+    set_schedule(opt, 0, cfg)
+    assert opt.param_groups[0]["momentum"] == 0.95

@@ -89,7 +89,7 @@ def test_n_then_resume_n_equals_2n_straight(tmp_path, char_data):
 def test_muon_resumes_exactly_and_refuses_another_optimizer(tmp_path, char_data):
     def args(out, **kw):
         return tiny_train_args(char_data, tmp_path / out, optimizer="muon", muon_lr=0.05, muon_momentum=0.9,
-                               gradient_accumulation_steps=2, eval_interval=100, ckpt_interval=0,
+                               muon_momentum_warmup=N + 2, gradient_accumulation_steps=2, eval_interval=100, ckpt_interval=0,
                                lr_decay_iters=2 * N, **kw)
 
     train(*args("straight", max_iters=2 * N))

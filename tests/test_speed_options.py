@@ -171,10 +171,12 @@ def test_signal_under_ddp_counts_only_on_steps_that_ask_the_ranks():
         stop.restore()
 
 
-def test_speedrun_config_parses_and_evaluates_the_whole_val_split_once():
-    cfg = configurator.parse(train.TrainConfig, [str(ROOT / "config/speedrun_shakespeare_char_cpu.py")])
+@pytest.mark.parametrize("kind", ["cpu", "gpu"])
+def test_speedrun_configs_parse_and_evaluate_the_whole_val_split_once(kind):
+    cfg = configurator.parse(train.TrainConfig, [str(ROOT / f"config/speedrun_shakespeare_char_{kind}.py")])
     cfg.validate()
-    assert cfg.dataset == "shakespeare_char" and cfg.device == "cpu"
+    assert cfg.dataset == "shakespeare_char" and cfg.device == ("cpu" if kind == "cpu" else "auto")
+    assert cfg.dtype == "auto" and cfg.optimizer == "muon"
     assert cfg.eval_whole_val and not cfg.eval_at_start
     assert cfg.eval_interval >= cfg.max_iters  # one evaluation, at the end
     assert cfg.lr_decay_iters == cfg.max_iters  # the schedule ends with the run
