@@ -195,6 +195,8 @@ def hellaswag_accuracy(model, encode, examples, device, ctx=nullcontext()):
     goes to rank i % world_size and the counts are summed over the ranks; every rank runs the same
     number of forward passes (the last ones repeat an example, uncounted), since with FSDP a forward
     pass is a collective that all ranks must join."""
+    if not examples:
+        raise ValueError("hellaswag_accuracy needs at least one example")
     rank, world = _rank_and_size()
     mine = examples[rank::world]
     records = hellaswag_scores(model, encode, mine, device, ctx)
@@ -281,7 +283,11 @@ def load(cfg, device):
     """The model to evaluate (eval mode, on device) and its tokenizer: the one place that knows where
     models come from."""
     model, data_meta = checkpoint.load_model(cfg.init_from, cfg.out_dir, cfg.ckpt, cfg.meta)
-    return model.eval().to(device), data_meta.make_tokenizer()
+    tokenizer = data_meta.make_tokenizer()
+    if tokenizer.vocab_size > model.config.vocab_size:  # its ids would index past the embedding
+        raise UserError(f"the model has {model.config.vocab_size} tokens but the {tokenizer.kind} tokenizer has "
+                        f"{tokenizer.vocab_size}: it was trained with another one; give its meta.json with --meta")
+    return model.eval().to(device), tokenizer
 
 
 def evaluate(cfg, device):
