@@ -49,14 +49,7 @@ HELLASWAG_FORMAT = "HellaSwag lines are JSON objects with ctx (text), endings (4
 
 
 @dataclass
-class EvalConfig:
-    init_from: str = setting("resume", "resume (the checkpoint in out_dir), a GPT-2 size (gpt2, gpt2-medium, "
-                                       "gpt2-large, gpt2-xl: from the local Hugging Face cache) or a Hugging Face "
-                                       "GPT-2 directory")
-    out_dir: str = setting("out", "training output directory (or a checkpoint file) to evaluate")
-    ckpt: str = setting("best", "best (best val loss, best.pt) or latest (ckpt.pt)")
-    meta: Optional[str] = setting(None, "tokenizer for checkpoints without one (nanoGPT, Hugging Face): a "
-                                        "meta.json from prepare.py or its dataset directory")
+class EvalConfig(checkpoint.ModelSource):
     hellaswag: Optional[str] = setting(None, "HellaSwag data: a hellaswag_val.jsonl, or auto (downloaded once "
                                              f"into {HELLASWAG_CACHE}); None: auto unless --text is given")
     limit: Optional[int] = setting(None, "evaluate only the first N HellaSwag examples (None: all)")
@@ -68,8 +61,7 @@ class EvalConfig:
     json: bool = setting(False, "print one JSON object instead of one line per figure")
 
     def validate(self):
-        if self.ckpt not in ("best", "latest"):
-            raise UserError(f"ckpt must be best or latest, got {self.ckpt!r}")
+        super().validate()
         for name in ("limit", "batch_size"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
@@ -280,13 +272,8 @@ def text_figures(model, tokenizer, path, device, ctx, batch_size):
 
 
 def load(cfg, device):
-    """The model to evaluate (eval mode, on device) and its tokenizer: the one place that knows where
-    models come from."""
-    model, data_meta = checkpoint.load_model(cfg.init_from, cfg.out_dir, cfg.ckpt, cfg.meta)
-    tokenizer = data_meta.make_tokenizer()
-    if tokenizer.vocab_size > model.config.vocab_size:  # its ids would index past the embedding
-        raise UserError(f"the model has {model.config.vocab_size} tokens but the {tokenizer.kind} tokenizer has "
-                        f"{tokenizer.vocab_size}: it was trained with another one; give its meta.json with --meta")
+    """The model to evaluate (eval mode, on device) and its tokenizer."""
+    model, tokenizer = checkpoint.load_model(cfg)
     return model.eval().to(device), tokenizer
 
 

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import eval as evaluation  # noqa: E402
 import meta  # noqa: E402
-from conftest import assert_one_error_line, run_in_process  # noqa: E402
+from conftest import assert_one_error_line, hf_model, run_in_process  # noqa: E402
 from tokenizer import GPT2Tokenizer  # noqa: E402
 
 BLOCK = 64  # n_positions of the test model
@@ -41,24 +40,6 @@ EXAMPLES = [
 ]
 
 
-def perturbed_gpt2(seed=0):
-    torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=BLOCK, vocab_size=50257))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.2)
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
-    model = perturbed_gpt2()
-    model.save_pretrained(path)
-    return path, model
-
-
 @pytest.fixture(scope="module")
 def encode():
     return GPT2Tokenizer().encode
@@ -70,19 +51,19 @@ def write_jsonl(path, examples):
 
 
 @torch.no_grad()
-def reference_losses(hf_model, tokens, n_scored):
+def reference_losses(hf, tokens, n_scored):
     """The cross-entropy (nats) of each of the last n_scored tokens given all the tokens before it."""
-    logp = torch.log_softmax(hf_model(torch.tensor([tokens[:-1]])).logits[0].double(), dim=-1)
+    logp = torch.log_softmax(hf(torch.tensor([tokens[:-1]])).logits[0].double(), dim=-1)
     return [-logp[i - 1, tokens[i]].item() for i in range(len(tokens) - n_scored, len(tokens))]
 
 
-def reference_record(hf_model, encode, example):
+def reference_record(hf, encode, example, block=BLOCK):
     ctx = encode(example["ctx"])
     sums, means = [], []
     for ending in example["endings"]:
         end = encode(" " + ending)
-        kept = ctx[-(BLOCK + 1 - len(end)):]  # the model reads 64 tokens, predicting 65 - 1 of them at most
-        losses = reference_losses(hf_model, kept + end, len(end))
+        kept = ctx[-(block + 1 - len(end)):]  # the model reads `block` tokens: block + 1 take part
+        losses = reference_losses(hf, kept + end, len(end))
         sums.append(sum(losses))
         means.append(sum(losses) / len(end))
     return {"sum": sums, "mean": means, "pred": sums.index(min(sums)), "pred_norm": means.index(min(means)),
@@ -90,12 +71,12 @@ def reference_record(hf_model, encode, example):
 
 
 @pytest.fixture(scope="module")
-def references(hf, encode):
-    return [reference_record(hf[1], encode, e) for e in EXAMPLES]
+def references(hf_dir, encode):
+    return [reference_record(hf_dir[1], encode, e) for e in EXAMPLES]
 
 
-def test_hellaswag_scores_match_transformers(hf, encode, references):
-    path, hf_model = hf
+def test_hellaswag_scores_match_transformers(hf_dir, encode, references):
+    path, hf = hf_dir
     assert len(encode(EXAMPLES[3]["ctx"])) > BLOCK  # the truncation case is really there
     cfg = evaluation.EvalConfig(init_from=str(path), device="cpu", dtype="float32")
     model, tokenizer = evaluation.load(cfg, "cpu")
@@ -107,8 +88,8 @@ def test_hellaswag_scores_match_transformers(hf, encode, references):
         assert (got["pred"], got["pred_norm"], got["label"]) == (want["pred"], want["pred_norm"], want["label"])
 
 
-def test_hellaswag_accuracy_from_the_command_line(tmp_path, hf, references):
-    path, refs = hf[0], references
+def test_hellaswag_accuracy_from_the_command_line(tmp_path, hf_dir, references):
+    path, refs = hf_dir[0], references
     data = write_jsonl(tmp_path / "hs.jsonl", EXAMPLES)
     correct = sum(r["pred"] == r["label"] for r in refs)
     correct_norm = sum(r["pred_norm"] == r["label"] for r in refs)
@@ -123,8 +104,27 @@ def test_hellaswag_accuracy_from_the_command_line(tmp_path, hf, references):
     assert proc.stdout.startswith(f"hellaswag acc_norm {first_two / 2:.4f} ({first_two}/2), acc ")
 
 
-def test_text_loss_perplexity_and_bits_per_byte(tmp_path, hf, encode):
-    path, hf_model = hf
+def test_ranks_split_the_examples_and_run_as_many_forward_passes(hf_dir, references, monkeypatch):
+    """Under torchrun (simulated here: each rank in turn, the all-reduce left to the test) the ranks score
+    disjoint examples that make up the whole file, and all run the same number of forward passes (with
+    FSDP a forward pass is a collective): 5 examples on 2 ranks, the second rank repeats one, uncounted."""
+    model, tokenizer = evaluation.load(evaluation.EvalConfig(init_from=str(hf_dir[0])), "cpu")
+    passes = []
+    model.register_forward_hook(lambda *_: passes.append(1))
+    summed, per_rank = [0, 0, 0], []
+    for rank in range(2):
+        monkeypatch.setattr(evaluation, "_rank_and_size", lambda r=rank: (r, 2))
+        passes.clear()
+        h = evaluation.hellaswag_accuracy(model, tokenizer.encode, EXAMPLES[:5], "cpu")
+        per_rank.append((h["total"], len(passes)))
+        summed = [a + b for a, b in zip(summed, (h["correct_norm"], h["correct"], h["total"]))]
+    assert per_rank == [(3, 3), (2, 3)]
+    refs = references[:5]
+    assert summed == [sum(r["pred_norm"] == r["label"] for r in refs), sum(r["pred"] == r["label"] for r in refs), 5]
+
+
+def test_text_loss_perplexity_and_bits_per_byte(tmp_path, hf_dir, encode):
+    path, hf = hf_dir
     text = "Café au lait — the quick brown fox jumps over the lazy dog. " * 12  # non-ASCII: bytes != characters
     (tmp_path / "t.txt").write_text(text, encoding="utf-8")
     ids = encode(text)
@@ -133,7 +133,7 @@ def test_text_loss_perplexity_and_bits_per_byte(tmp_path, hf, encode):
     # predicts each one's successor, so ids[1:] is predicted exactly once
     windows = [ids[0:BLOCK + 1], ids[BLOCK:2 * BLOCK + 1], ids[2 * BLOCK:]]
     assert sum(len(w) - 1 for w in windows) == len(ids) - 1
-    nats = sum(sum(reference_losses(hf_model, w, len(w) - 1)) for w in windows)
+    nats = sum(sum(reference_losses(hf, w, len(w) - 1)) for w in windows)
     proc = run_in_process(evaluation.main, f"--init_from={path}", f"--text={tmp_path / 't.txt'}", "--device=cpu",
                           "--dtype=float32", "--batch_size=2", "--json", check=True)
     t = json.loads(proc.stdout)["text"]
@@ -159,15 +159,15 @@ def test_text_loss_perplexity_and_bits_per_byte(tmp_path, hf, encode):
     ('["a list"]\n', ["hs.jsonl:1", "JSON object"]),
     ("\n", ["hs.jsonl", "no examples"]),
 ])
-def test_malformed_hellaswag_files_are_one_line_errors(tmp_path, hf, content, words):
+def test_malformed_hellaswag_files_are_one_line_errors(tmp_path, hf_dir, content, words):
     (tmp_path / "hs.jsonl").write_text(content, encoding="utf-8")
-    proc = run_in_process(evaluation.main, f"--init_from={hf[0]}", f"--hellaswag={tmp_path / 'hs.jsonl'}",
+    proc = run_in_process(evaluation.main, f"--init_from={hf_dir[0]}", f"--hellaswag={tmp_path / 'hs.jsonl'}",
                           "--device=cpu")
     assert_one_error_line(proc, *words)
 
 
-def test_bad_inputs_are_one_line_errors(tmp_path, hf):
-    path = hf[0]
+def test_bad_inputs_are_one_line_errors(tmp_path, hf_dir):
+    path = hf_dir[0]
     proc = run_in_process(evaluation.main, f"--init_from={path}", f"--hellaswag={tmp_path / 'none.jsonl'}")
     assert_one_error_line(proc, "none.jsonl", "--hellaswag")
     (tmp_path / "empty.txt").write_text("", encoding="utf-8")
@@ -177,14 +177,14 @@ def test_bad_inputs_are_one_line_errors(tmp_path, hf):
     assert_one_error_line(proc, "missing.txt")
     # a character-level model (a Hugging Face directory whose meta.json says so) asked for HellaSwag
     char_dir = tmp_path / "char"
-    perturbed_gpt2().save_pretrained(char_dir)
+    hf_model().save_pretrained(char_dir)
     meta.write(meta.DatasetMeta(tokenizer="char", vocab_size=5, chars="abcde"), char_dir)
     data = write_jsonl(tmp_path / "hs.jsonl", EXAMPLES)
     proc = run_in_process(evaluation.main, f"--init_from={char_dir}", f"--hellaswag={data}")
     assert_one_error_line(proc, "HellaSwag needs a GPT-2 BPE model", "char", "--text")
 
 
-def test_download_once_into_the_cache_and_offline_error(tmp_path, hf, monkeypatch):
+def test_download_once_into_the_cache_and_offline_error(tmp_path, hf_dir, monkeypatch):
     monkeypatch.chdir(tmp_path)
     calls = []
 
@@ -193,7 +193,7 @@ def test_download_once_into_the_cache_and_offline_error(tmp_path, hf, monkeypatc
         raise evaluation.urllib.error.URLError("no network")
 
     monkeypatch.setattr(evaluation.urllib.request, "urlopen", offline)
-    proc = run_in_process(evaluation.main, f"--init_from={hf[0]}", "--device=cpu")
+    proc = run_in_process(evaluation.main, f"--init_from={hf_dir[0]}", "--device=cpu")
     assert_one_error_line(proc, "cannot download HellaSwag", "--hellaswag=FILE")
     assert calls == [evaluation.HELLASWAG_URL] and not (tmp_path / "data").exists()  # nothing left behind
 
@@ -214,8 +214,9 @@ def test_download_once_into_the_cache_and_offline_error(tmp_path, hf, monkeypatc
     monkeypatch.setattr(evaluation.urllib.request, "urlopen", lambda url, timeout: calls.append(url) or
                         Response(content))
     for _ in range(2):  # the second run reads the cache
-        proc = run_in_process(evaluation.main, f"--init_from={hf[0]}", "--device=cpu", "--json", check=True)
+        proc = run_in_process(evaluation.main, f"--init_from={hf_dir[0]}", "--device=cpu", "--json", check=True)
         assert json.loads(proc.stdout)["hellaswag"]["total"] == 2
     assert len(calls) == 2  # the failed try, then one download
     assert (tmp_path / evaluation.HELLASWAG_CACHE).read_bytes() == content
     assert [p.name for p in (tmp_path / "data" / "hellaswag").iterdir()] == ["hellaswag_val.jsonl"]
+
