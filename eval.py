@@ -19,7 +19,7 @@ the model on a UTF-8 text (see text_loss for the windows). Bits per byte divides
 size in bytes instead of its tokens, so models with different tokenizers compare.
 
 Under torchrun the examples (and text windows) are split over the processes and the counts summed.
-train.py calls load_hellaswag and hellaswag_accuracy every hellaswag_interval steps.
+train.py runs HellaSwag every hellaswag_interval steps through TrainingHellaSwag.
 """
 
 import json
@@ -201,6 +201,38 @@ def hellaswag_accuracy(model, encode, examples, device, ctx=nullcontext()):
             "correct": correct, "total": total}
 
 
+def require_gpt2(kind, what, fix):
+    """HellaSwag's endings are English text in GPT-2's tokens: other models cannot take it."""
+    if kind != "gpt2":
+        raise UserError(f"HellaSwag needs a GPT-2 BPE model, {what} uses the {kind or 'unknown'} tokenizer; {fix}")
+
+
+class TrainingHellaSwag:
+    """train.py's HellaSwag: acc_norm and acc every hellaswag_interval steps (with that step's evaluation)
+    and at the last step, on the examples of cfg.hellaswag (read once, at setup). Calling it at an
+    evaluation logs `step N: hellaswag ...` and returns the figures for metrics.jsonl ({} when not due).
+    Every rank must call it: the examples are split over them."""
+
+    def __init__(self, cfg, data_meta, device, ctx, log):
+        self.interval, self.last_step = cfg.hellaswag_interval, cfg.max_iters
+        self.device, self.ctx, self.log = device, ctx, log
+        if not self.interval:
+            return
+        if self.interval % cfg.eval_interval:
+            raise UserError(f"hellaswag_interval must be a multiple of eval_interval ({cfg.eval_interval}), got "
+                            f"{self.interval}: HellaSwag runs with the evaluations")
+        require_gpt2(data_meta.tokenizer, f"dataset {cfg.dataset}", "set hellaswag_interval=0")
+        self.encode = data_meta.make_tokenizer().encode
+        self.examples = load_hellaswag(hellaswag_path(cfg.hellaswag))
+
+    def __call__(self, step, model):
+        if not self.interval or (step % self.interval and step != self.last_step):
+            return {}
+        h = hellaswag_accuracy(model, self.encode, self.examples, self.device, self.ctx)
+        self.log(f"step {step}: hellaswag acc_norm {h['acc_norm']:.4f}, acc {h['acc']:.4f} ({h['total']} examples)")
+        return {"hellaswag_acc_norm": h["acc_norm"], "hellaswag_acc": h["acc"]}
+
+
 def _rank_and_size():
     import torch.distributed as dist
 
@@ -284,9 +316,7 @@ def evaluate(cfg, device):
     model, tokenizer = load(cfg, device)
     results = {"model": cfg.out_dir if cfg.init_from == "resume" else cfg.init_from, "dtype": dtype}
     if cfg.runs_hellaswag:
-        if tokenizer.kind != "gpt2":
-            raise UserError(f"HellaSwag needs a GPT-2 BPE model, this one is {tokenizer.kind}-level; "
-                            f"evaluate it with --text=FILE instead")
+        require_gpt2(tokenizer.kind, "this model", "evaluate it with --text=FILE instead")
         examples = load_hellaswag(hellaswag_path(cfg.hellaswag))[:cfg.limit]
         results["hellaswag"] = hellaswag_accuracy(model, tokenizer.encode, examples, device, ctx)
     if cfg.text is not None:

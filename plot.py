@@ -67,7 +67,7 @@ def line(ax, xs_ys, **style):
 
 def draw(plt, runs):
     """The figure: loss by step, loss by tokens, and HellaSwag by step if any run has it."""
-    has_hellaswag = any(series(records, "hellaswag")[0] for records in runs.values())
+    has_hellaswag = any(series(records, "hellaswag_acc_norm")[0] for records in runs.values())
     n = 3 if has_hellaswag else 2
     fig, axes = plt.subplots(1, n, figsize=(PANEL_INCHES[0] * n, PANEL_INCHES[1]), dpi=DPI)
     for i, (out_dir, records) in enumerate(runs.items()):
@@ -77,7 +77,7 @@ def draw(plt, runs):
             line(ax, series(records, train_key, x), color=colour, linestyle="--", alpha=0.7, label=f"{out_dir} train")
             line(ax, series(records, "val_loss", x), color=colour, label=f"{out_dir} val")
         if has_hellaswag:
-            line(axes[2], series(records, "hellaswag"), color=colour, marker=".", label=out_dir)
+            line(axes[2], series(records, "hellaswag_acc_norm"), color=colour, marker=".", label=out_dir)
     for ax, xlabel, ylabel in ((axes[0], "step", "loss"), (axes[1], "tokens seen", "loss")):
         ax.set(xlabel=xlabel, ylabel=ylabel)
     if has_hellaswag:

@@ -15,7 +15,8 @@ pytest.importorskip("transformers")
 
 import eval as evaluation  # noqa: E402
 import meta  # noqa: E402
-from conftest import assert_one_error_line, hf_model, run_in_process  # noqa: E402
+import metrics  # noqa: E402
+from conftest import assert_one_error_line, hf_model, run_in_process, tiny_train_args, train  # noqa: E402
 from tokenizer import GPT2Tokenizer  # noqa: E402
 
 BLOCK = 64  # n_positions of the test model
@@ -220,3 +221,47 @@ def test_download_once_into_the_cache_and_offline_error(tmp_path, hf_dir, monkey
     assert (tmp_path / evaluation.HELLASWAG_CACHE).read_bytes() == content
     assert [p.name for p in (tmp_path / "data" / "hellaswag").iterdir()] == ["hellaswag_val.jsonl"]
 
+
+# ---------------------------------------------------------------------- during training (train.py)
+
+
+def test_training_measures_hellaswag_every_interval_and_at_the_end(tmp_path, hf_dir, encode, bpe_data):
+    """Finetuning the transformers model with --hellaswag_interval=2 (an evaluation every step, 3 steps):
+    HellaSwag at steps 0, 2 and 3 (the last), logged and recorded with that step's losses. At step 0 the
+    weights are still transformers', so the figures are the reference's (at the run's block_size, 32);
+    at step 3, eval.py on the final checkpoint gives the same."""
+    path, hf = hf_dir
+    examples = EXAMPLES[1:4]  # (a context longer than the run's block_size among them; few: a CPU test)
+    data = write_jsonl(tmp_path / "hs.jsonl", examples)
+    args = tiny_train_args(bpe_data, tmp_path / "out", dataset="shakespeare", init_from=path, dtype="float32",
+                           max_iters=3, eval_interval=1, eval_iters=1, hellaswag_interval=2, hellaswag=data)
+    proc = train(*args, f"--hellaswag={tmp_path / 'none.jsonl'}", check=False)  # (the last --hellaswag counts)
+    assert_one_error_line(proc, "none.jsonl", "--hellaswag")
+    assert not (tmp_path / "out").exists()  # refused at setup, before anything was written
+
+    proc = train(*args)
+    refs = [reference_record(hf, encode, e, block=32) for e in examples]
+    acc_norm = sum(r["pred_norm"] == r["label"] for r in refs) / len(refs)
+    acc = sum(r["pred"] == r["label"] for r in refs) / len(refs)
+    assert f"step 0: hellaswag acc_norm {acc_norm:.4f}, acc {acc:.4f} (3 examples)\n" in proc.stdout
+    assert [int(n) for n in re.findall(r"^step (\d+): hellaswag ", proc.stdout, re.M)] == [0, 2, 3]
+    records = metrics.read(tmp_path / "out" / metrics.FILENAME)
+    measured = {r["step"]: r for r in records if "hellaswag_acc_norm" in r}
+    assert sorted(measured) == [0, 2, 3] and all("val_loss" in r and "hellaswag_acc" in r for r in measured.values())
+    assert (measured[0]["hellaswag_acc_norm"], measured[0]["hellaswag_acc"]) == pytest.approx((acc_norm, acc))
+    proc = run_in_process(evaluation.main, f"--out_dir={tmp_path / 'out'}", "--ckpt=latest", f"--hellaswag={data}",
+                          "--device=cpu", "--dtype=float32", "--json", check=True)
+    h = json.loads(proc.stdout)["hellaswag"]
+    assert (h["acc_norm"], h["acc"]) == pytest.approx((measured[3]["hellaswag_acc_norm"], measured[3]["hellaswag_acc"]))
+
+
+def test_training_refuses_hellaswag_it_cannot_run(tmp_path, module_data):
+    data = write_jsonl(tmp_path / "hs.jsonl", EXAMPLES)
+    args = tiny_train_args(module_data, tmp_path / "out", hellaswag=data)  # character-level, eval_interval=10
+    proc = train(*args, "--hellaswag_interval=10", check=False)
+    assert_one_error_line(proc, "HellaSwag needs a GPT-2 BPE model", "dataset tiny", "char", "hellaswag_interval=0")
+    proc = train(*args, "--hellaswag_interval=15", check=False)
+    assert_one_error_line(proc, "hellaswag_interval must be a multiple of eval_interval (10), got 15")
+    proc = train(*args, "--hellaswag_interval=-10", check=False)
+    assert_one_error_line(proc, "hellaswag_interval must not be negative")
+    assert not (tmp_path / "out").exists()

@@ -52,7 +52,7 @@ def write_run(out_dir, steps, hellaswag=False):
         for step in steps:
             record = {"step": step, "train_loss": 4 - step / 100, "val_loss": 4.1 - step / 100, "tokens": step * 512}
             if hellaswag:
-                record["hellaswag"] = 0.25 + step / 10000
+                record["hellaswag_acc_norm"] = 0.25 + step / 10000
             f.write(json.dumps(record) + "\n")
             f.write(json.dumps({"step": step + 1, "loss": 4 - step / 100, "tokens": (step + 1) * 512}) + "\n")
     return out_dir
