@@ -20,13 +20,15 @@ under any other and loads in a single-process sample.py.
 import os
 import random
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
+from typing import Optional
 
 import numpy as np
 import torch
 
 import convert
 import meta
+from configurator import setting
 from fileio import atomic_write, remove_stale_temps
 from errors import UserError
 from model import GPT, GPTConfig
@@ -272,19 +274,40 @@ def _from_nanogpt(state, path):
     return out
 
 
-def load_model(init_from, out_dir, which="best", meta_path=None):
-    """The model to sample or evaluate, on the CPU, and its dataset metadata (tokenizer):
+@dataclass
+class ModelSource:
+    """The settings that pick a trained model to use (sample.py's and eval.py's settings begin with these)."""
+
+    init_from: str = setting("resume", "resume (the checkpoint in out_dir), a GPT-2 size (gpt2, gpt2-medium, "
+                                       "gpt2-large, gpt2-xl: from the local Hugging Face cache) or a Hugging Face "
+                                       "GPT-2 directory")
+    out_dir: str = setting("out", "training output directory (or a checkpoint file) to load")
+    meta: Optional[str] = setting(None, "tokenizer for checkpoints without one (nanoGPT, Hugging Face): a "
+                                        "meta.json from prepare.py or its dataset directory")
+    ckpt: str = setting("best", "best (best val loss, best.pt) or latest (ckpt.pt)")
+
+    def validate(self):
+        if self.ckpt not in ("best", "latest"):
+            raise UserError(f"ckpt must be best or latest, got {self.ckpt!r}")
+
+
+def load_model(source):
+    """The model source (a ModelSource) names, on the CPU, and its tokenizer:
     init_from=resume: the checkpoint in out_dir (best or latest); else GPT-2 weights (convert.py).
-    meta_path (--meta) overrides the tokenizer; a checkpoint without one (nanoGPT's) uses its
-    dataset's meta.json, else GPT-2 BPE, and says so on stderr."""
-    if init_from == "resume":
-        ckpt = load(find(out_dir, which))
+    --meta overrides the tokenizer; a checkpoint without one (nanoGPT's) uses its dataset's
+    meta.json, else GPT-2 BPE, and says so on stderr."""
+    if source.init_from == "resume":
+        ckpt = load(find(source.out_dir, source.ckpt))
         model, data_meta = ckpt.build_model(), ckpt.meta
-        if data_meta is None and meta_path is None:
-            data_meta, source = meta.for_nanogpt(ckpt.dataset)
-            print(f"note: the checkpoint records no tokenizer; using {source} (--meta picks another)", file=sys.stderr)
+        if data_meta is None and source.meta is None:
+            data_meta, found = meta.for_nanogpt(ckpt.dataset)
+            print(f"note: the checkpoint records no tokenizer; using {found} (--meta picks another)", file=sys.stderr)
     else:
-        model, data_meta = convert.load_hf(init_from), convert.pretrained_meta(init_from)
-    if meta_path is not None:
-        data_meta = meta.from_path(meta_path)
-    return model, data_meta
+        model, data_meta = convert.load_hf(source.init_from), convert.pretrained_meta(source.init_from)
+    if source.meta is not None:
+        data_meta = meta.from_path(source.meta)
+    tokenizer = data_meta.make_tokenizer()
+    if tokenizer.vocab_size > model.config.vocab_size:  # its ids would index past the embedding
+        raise UserError(f"the model has {model.config.vocab_size} tokens but the {tokenizer.kind} tokenizer has "
+                        f"{tokenizer.vocab_size}: it was trained with another one; give its meta.json with --meta")
+    return model, tokenizer

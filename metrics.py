@@ -8,9 +8,9 @@ metrics.jsonl holds one JSON object per line, in order:
     {"step": 250, "train_loss": 1.96, "val_loss": 2.06, "lr": 0.001, "tokens": 4096000}   an evaluation
     {"step": 260, "loss": 1.91, "lr": 0.001, "tokens": 4259840, "tokens_per_s": 24758}  a log line
 
-(and "hellaswag" where it was measured). A resumed run first drops what the interrupted run wrote
-after its checkpoint, so every step appears once however often a run is resumed; a run from
-scratch starts the file anew. plot.py draws it.
+(and "hellaswag_acc_norm", "hellaswag_acc" in the evaluations that measured them). A resumed run
+first drops what the interrupted run wrote after its checkpoint, so every step appears once however
+often a run is resumed; a run from scratch starts the file anew. plot.py draws it.
 """
 
 import json

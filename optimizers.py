@@ -29,10 +29,10 @@ from torch.optim.adam import adam
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's default)
 
 
-def build_optimizer(model, name, learning_rate, weight_decay, betas, device_type, **muon_settings):
-    """AdamW ("adamw", as nanoGPT's configure_optimizers) or MuonAdamW ("muon").
+def build_optimizer(model, name, learning_rate, weight_decay, betas, device_type, muon_lr=0.02, **muon_settings):
+    """AdamW ("adamw", as nanoGPT's configure_optimizers) or MuonAdamW ("muon", whose rate is muon_lr).
 
-    muon_settings (only for "muon"): muon_lr (default 0.02), muon_momentum (0.95), muon_nesterov
+    muon_settings (only for "muon"): muon_momentum (default 0.95), muon_nesterov
     (True), muon_weight_decay (0.0), muon_ns_steps (5), muon_adjust_lr ("original": scale the
     update by sqrt(max(1, rows/cols)); "match_rms_adamw": 0.2 * sqrt(max(rows, cols)))."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -47,7 +47,7 @@ def build_optimizer(model, name, learning_rate, weight_decay, betas, device_type
                                  betas=betas, **kernel)
     if name != "muon":
         raise ValueError(f"unknown optimizer {name!r}; use adamw or muon")
-    s = {"muon_lr": 0.02, "muon_momentum": 0.95, "muon_nesterov": True, "muon_weight_decay": 0.0,
+    s = {"muon_momentum": 0.95, "muon_nesterov": True, "muon_weight_decay": 0.0,
          "muon_ns_steps": 5, "muon_adjust_lr": "original"}
     unknown = set(muon_settings) - set(s)
     if unknown:
@@ -55,7 +55,7 @@ def build_optimizer(model, name, learning_rate, weight_decay, betas, device_type
     s.update(muon_settings)
     hidden = [p for n, p in params.items() if is_hidden_matrix(n, p)]
     rest = [p for n, p in params.items() if not is_hidden_matrix(n, p)]
-    muon_group = {"params": hidden, "use_muon": True, "lr_scale": s["muon_lr"] / learning_rate,
+    muon_group = {"params": hidden, "use_muon": True, "lr_scale": muon_lr / learning_rate,
                   "weight_decay": s["muon_weight_decay"]}
     groups = [muon_group] + _adamw_groups(rest, weight_decay)
     return MuonAdamW(groups, lr=learning_rate, betas=betas, momentum=s["muon_momentum"],

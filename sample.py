@@ -29,14 +29,7 @@ from errors import UserError, run_main
 from hardware import autocast, pick_device, pick_dtype
 
 @dataclass
-class SampleConfig:
-    init_from: str = setting("resume", "resume (the checkpoint in out_dir), a GPT-2 size (gpt2, gpt2-medium, "
-                                       "gpt2-large, gpt2-xl: from the local Hugging Face cache) or a Hugging Face "
-                                       "GPT-2 directory")
-    out_dir: str = setting("out", "training output directory (or a checkpoint file) to sample from")
-    meta: Optional[str] = setting(None, "tokenizer for checkpoints without one (nanoGPT, Hugging Face): a "
-                                        "meta.json from prepare.py or its dataset directory")
-    ckpt: str = setting("best", "best (best val loss, best.pt) or latest (ckpt.pt)")
+class SampleConfig(checkpoint.ModelSource):
     start: str = setting("\n", "prompt text, or FILE:path to read the prompt from a file")
     num_samples: int = setting(10, "samples to draw (generated together as one batch)")
     max_new_tokens: int = setting(500, "tokens to generate per sample")
@@ -55,6 +48,7 @@ class SampleConfig:
                                  "the other samples are printed when it is done); False: print all at the end")
 
     def validate(self):
+        super().validate()
         for name in ("num_samples", "max_new_tokens"):
             if getattr(self, name) <= 0:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
@@ -64,8 +58,6 @@ class SampleConfig:
             raise UserError(f"top_k must be positive, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.ckpt not in ("best", "latest"):
-            raise UserError(f"ckpt must be best or latest, got {self.ckpt!r}")
         if self.stop == "":
             raise UserError("--stop is empty; give the text that ends a sample, e.g. --stop=ROMEO:")
 
@@ -165,11 +157,7 @@ def main(argv=None):
 
 def load_for_sampling(cfg, device):
     """The model (in eval mode, on device, compiled if asked) and its tokenizer."""
-    model, data_meta = checkpoint.load_model(cfg.init_from, cfg.out_dir, cfg.ckpt, cfg.meta)
-    tokenizer = data_meta.make_tokenizer()
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise UserError(f"the model has {model.config.vocab_size} tokens but the {tokenizer.kind} tokenizer has "
-                        f"{tokenizer.vocab_size}: it was trained with another one; give its meta.json with --meta")
+    model, tokenizer = checkpoint.load_model(cfg)
     model.eval().to(device)
     if cfg.compile:
         # in place, so that generate's calls to the model run compiled (torch.compile(model) would return

@@ -29,6 +29,7 @@ import distributed
 from batches import BatchSampler, check_token_ids, dataset_dir, load_dataset, whole_split_batches
 from configurator import setting
 from errors import UserError, first_line, run_main
+from eval import TrainingHellaSwag
 from hardware import autocast, describe, peak_flops, pick_dtype
 from metrics import Metrics
 from model import GPT, GPTConfig
@@ -47,6 +48,9 @@ class TrainConfig:
     eval_at_start: bool = setting(True, "evaluate before the first step too (False saves that time, e.g. in a speedrun)")
     eval_whole_val: bool = setting(False, "val loss over the whole val split in order (exact, the same windows every "
                                           "time; one forward pass over it) instead of eval_iters random batches")
+    hellaswag_interval: int = setting(0, "HellaSwag acc_norm every this many steps and at the last (a multiple of "
+                                         "eval_interval; 0: off; GPT-2 BPE data only)")
+    hellaswag: str = setting("auto", "HellaSwag data for hellaswag_interval: a hellaswag_val.jsonl, or auto (download)")
     always_save_checkpoint: bool = setting(True, "write ckpt.pt at every evaluation, not only when val loss improves")
     ckpt_interval: int = setting(1000, "also write ckpt.pt every this many iterations (0: only at evals and the end)")
     init_from: str = setting("scratch", "scratch (new model), resume (continue from out_dir/ckpt.pt), or GPT-2 "
@@ -102,15 +106,14 @@ class TrainConfig:
 
     def validate(self):
         """One-line errors for impossible settings, before anything starts (the model's own: GPTConfig)."""
-        for name in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_iters", "warmup_iters", "lr_decay_iters", "ckpt_interval", "muon_momentum_warmup"):
-            if getattr(self, name) < 0:
-                raise UserError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("learning_rate", "muon_lr"):
+        for name in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
+                     "learning_rate", "muon_lr"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_iters", "warmup_iters", "lr_decay_iters", "ckpt_interval", "hellaswag_interval",
+                     "muon_momentum_warmup"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 0 <= self.muon_momentum < 1:
             raise UserError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if self.min_lr < 0 or self.min_lr > self.learning_rate:
@@ -157,9 +160,9 @@ class Trainer:
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
         data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
         self.meta, self.train_data, self.val_data = load_dataset(data_dir, cfg.block_size)
+        self.hellaswag = TrainingHellaSwag(cfg, self.meta, self.device, self.autocast, self.log)
         if self.device_type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         ckpt = checkpoint.load(f"{cfg.out_dir}/{checkpoint.LATEST}") if cfg.init_from == "resume" else None
@@ -170,9 +173,8 @@ class Trainer:
         checkpoint.prepare_out_dir(cfg.out_dir, writes=self.world.is_master)  # (nothing written before this)
         if self.world.distributed and cfg.parallel == "fsdp":
             distributed.shard(self.raw_model)
-        muon = {"muon_lr": cfg.muon_lr, "muon_momentum": cfg.muon_momentum} if cfg.optimizer == "muon" else {}
         self.optimizer = build_optimizer(self.raw_model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay,
-                                         (cfg.beta1, cfg.beta2), self.device_type, **muon)
+                                         (cfg.beta1, cfg.beta2), self.device_type, muon_lr=cfg.muon_lr)
         # fp16 gradients can underflow: scale the loss up, and skip steps whose gradients overflow
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=(self.dtype == "float16"))
         # a non-finite loss is recorded on the device (no sync every step) and checked when logging/saving
@@ -245,17 +247,18 @@ class Trainer:
             or self.iter_num >= cfg.max_iters or cfg.eval_only
 
     def evaluate_and_checkpoint(self, lr):
-        """Losses on both splits, logged; best.pt when val improves, ckpt.pt as always_save_checkpoint asks."""
+        """Losses (and HellaSwag when due), logged; best.pt if val improves, ckpt.pt as always_save_checkpoint asks."""
         cfg = self.cfg
         self.check_finite(sync=True)
         losses = self.estimate_loss()
         self.log(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         if not math.isfinite(losses["val"]):
             raise UserError(f"validation loss is not finite at iteration {self.iter_num}; stopping without saving")
+        hellaswag = self.hellaswag(self.iter_num, self.raw_model)  # (every rank: the examples are split over them)
         if self.metrics:
             mfu = {"mfu": self.running_mfu * 100} if self.running_mfu >= 0 else {}  # -1 until measured (GPUs)
             self.metrics.record(self.iter_num, train_loss=losses["train"], val_loss=losses["val"], lr=lr,
-                                tokens=self.iter_num * self.tokens_per_iter, **mfu)
+                                tokens=self.iter_num * self.tokens_per_iter, **mfu, **hellaswag)
         if cfg.eval_only:
             return
         improved = losses["val"] < self.best_val_loss

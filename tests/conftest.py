@@ -84,6 +84,50 @@ def module_data(tmp_path_factory):
     return root / "data"
 
 
+@pytest.fixture
+def bpe_data(tmp_path, corpus_file):
+    """A small Shakespeare-like dataset in GPT-2 BPE named `shakespeare`; returns its data_dir."""
+    from prepare import prepare
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        prepare(str(corpus_file), str(tmp_path / "data" / "shakespeare"), "gpt2")
+    return tmp_path / "data"
+
+
+def perturb(model, seed):
+    """model's parameters moved well away from their initial values (LayerNorm gains 1, biases 0, small
+    matrices), so that a mistake (an untransposed square matrix, a bias left out, the wrong GELU) moves
+    the logits far more than a 1e-4 tolerance."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+def hf_model(seed=0, **overrides):
+    """A tiny random, perturbed GPT2LMHeadModel of `transformers` (a test-only dependency; the tests that use
+    it skip without it) with GPT-2's vocabulary, in eval mode."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    args = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257)
+    args.update(overrides)
+    return perturb(GPT2LMHeadModel(GPT2Config(**args)), seed).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A saved random GPT-2 (save_pretrained: config.json + model.safetensors) and the model itself."""
+    path = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
+    model = hf_model()
+    model.save_pretrained(path)
+    return path, model
+
+
 def run_in_process(main, *args, check=False):
     """Run a script's main(argv) in this process as its `__main__` block does (under errors.run_main), with
     stdout and stderr captured; return (returncode, stdout, stderr) like run(). Much faster than a subprocess;

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers import GPT2LMHeadModel  # noqa: E402
 
 import checkpoint  # noqa: E402
 import convert  # noqa: E402
@@ -21,31 +21,15 @@ import export  # noqa: E402
 import sample  # noqa: E402
 import train  # noqa: E402
 from configurator import parse  # noqa: E402
-from conftest import ROOT, assert_one_error_line, run_in_process  # noqa: E402
+from conftest import ROOT, assert_one_error_line, hf_model, perturb, run_in_process  # noqa: E402
 from conftest import train as train_in_process  # noqa: E402
 from errors import UserError  # noqa: E402
 from meta import DatasetMeta  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from prepare import prepare  # noqa: E402
 from tokenizer import GPT2Tokenizer  # noqa: E402
 
 VOCAB = 50257
 TOL = 1e-4  # fp32; the two implementations differ in summation order (and tanh-GELU formula) only
-
-
-def perturb(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.2)
-    return model
-
-
-def hf_model(seed=0, **overrides):
-    torch.manual_seed(seed)
-    args = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=VOCAB)
-    args.update(overrides)
-    return perturb(GPT2LMHeadModel(GPT2Config(**args)), seed).eval()
 
 
 def tokens(seed=0, T=64):
@@ -61,15 +45,6 @@ def our_logits(model, idx):
 @torch.no_grad()
 def hf_logits(model, idx):
     return model.eval()(idx).logits
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A saved random GPT-2 (save_pretrained: config.json + model.safetensors) and the model itself."""
-    path = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
-    model = hf_model()
-    model.save_pretrained(path)
-    return path, model
 
 
 def copy_dir(src, dst):
@@ -289,13 +264,6 @@ def test_sample_init_from_hf_directory_uses_gpt2_bpe(hf_dir):
     proc = run_in_process(sample.main, f"--init_from={path}", f"--start={prompt}", f"--max_new_tokens={n}",
                           "--temperature=0", "--num_samples=2", "--device=cpu", check=True)
     assert proc.stdout == f"{expected}\n---------------\n" * 2
-
-
-@pytest.fixture
-def bpe_data(tmp_path, corpus_file):
-    """A small Shakespeare-like dataset in GPT-2 BPE named `shakespeare`; returns its data_dir."""
-    prepare(str(corpus_file), str(tmp_path / "data" / "shakespeare"), "gpt2")
-    return tmp_path / "data"
 
 
 def finetune_args(hf_path, data_dir, out_dir, **overrides):
