@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
-from optimizers import build_optimizer, set_schedule
+from optimizers import build_optimizer, newton_schulz, set_schedule
 
 LR, MUON_LR, WD, BETAS = 1e-3, 0.02, 0.1, (0.9, 0.99)
 HIDDEN = {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.qkv", "attn.proj", "ffwd.fc", "ffwd.proj")}
@@ -125,6 +125,12 @@ def test_muon_update_is_the_orthogonalised_nesterov_momentum():
     # and the orthogonalised matrix has its singular values near 1 (the quintic's band is ~0.7-1.2)
     s = torch.linalg.svdvals(newton_schulz_by_hand(grads[0]))
     assert s.min() > 0.6 and s.max() < 1.25
+
+
+@pytest.mark.parametrize("shape", [(24, 96), (96, 24), (48, 48)])  # wide (computed on 24 x 24), tall, square
+def test_newton_schulz_is_the_iteration_written_out(shape):
+    m = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
+    torch.testing.assert_close(newton_schulz(m).double(), newton_schulz_by_hand(m), rtol=0, atol=2e-6)
 
 
 def test_state_dict_round_trip_gives_identical_steps():
