@@ -25,6 +25,9 @@ from errors import UserError
 
 WORKER = "tests/dist_worker.py"
 TOL = 1e-6  # 2 processes sum the same gradients in another order than 1 process: float rounding only
+# Muon's Newton-Schulz maps a singular value s of the normalised update to about 3.4445^5 s (~487 s) when s is
+# small, so it amplifies that rounding in the weakest directions of each update (measured: 8e-6 after 2 steps)
+MUON_TOL = 1e-4
 
 
 def train_args(data_dir, out_dir, **overrides):
@@ -185,14 +188,14 @@ def test_muon_on_2_ranks_equals_one_process_with_ddp_and_fsdp_and_resumes_exactl
     # Newton-Schulz and keeps its own shard of the result) to 4: the one-process run's weights each time
     out = tmp_path / "out"
     ok(torchrun(train_args(data_dir, out, max_iters=2, optimizer="muon"), tmp_path / "r1", SHARED_BATCHES=1))
-    assert max_weight_diff(ckpt(out), single(2, optimizer="muon")[0]) < TOL
-    assert max_weight_diff(ckpt(out), single(2)[0]) > 1e-3  # Muon's steps are not AdamW's
+    assert max_weight_diff(ckpt(out), single(2, optimizer="muon")[0]) < MUON_TOL
+    assert max_weight_diff(ckpt(out), single(2)[0]) > 1e-2  # Muon's steps are not AdamW's
     proc = ok(torchrun(train_args(data_dir, out, max_iters=4, optimizer="muon", parallel="fsdp", init_from="resume"),
                        tmp_path / "r2", SHARED_BATCHES=1))
     assert f"resuming from {out}/ckpt.pt at iteration 2" in proc.stdout
     muon_state = ckpt(out)["optimizer"]["state"]["blocks.0.attn.qkv.weight"]
     assert set(muon_state) == {"momentum_buffer", "step"} and muon_state["step"].item() == 4
-    assert max_weight_diff(ckpt(out), single(4, optimizer="muon")[0]) < TOL
+    assert max_weight_diff(ckpt(out), single(4, optimizer="muon")[0]) < MUON_TOL
 
 
 def test_one_gradient_allreduce_per_step_distinct_batches_only_rank0_writes(tmp_path, data_dir):
