@@ -30,5 +30,6 @@ beta2 = 0.95
 
 eval_interval = 250
 eval_iters = 40  # batches per split per evaluation, shared by the GPUs: 655,360 val tokens
+hellaswag_interval = 250  # HellaSwag acc_norm with every evaluation, as build-nanogpt (downloads the val split once)
 log_interval = 10
 ckpt_interval = 1000
