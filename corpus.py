@@ -133,16 +133,21 @@ def _txt_doc(path):
         raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8 first") from None
 
 
+def _parquet_docs_after(path, skip):
+    """(the documents of a parquet file after the first `skip`, what is left of skip for the next files):
+    a file wholly skipped is not read, only its row count."""
+    rows = _open_parquet(path).metadata.num_rows
+    if skip >= rows:
+        return iter(()), skip - rows
+    return _parquet_docs(path, skip), 0
+
+
 def _documents_of_files(paths, skip):
     """The documents of the files in order, after the first `skip` (parquet row groups skipped unread)."""
     for path in paths:
         if path.endswith(".parquet"):
-            rows = _open_parquet(path).metadata.num_rows
-            if skip >= rows:
-                skip -= rows
-                continue
-            yield from _parquet_docs(path, skip)
-            skip = 0
+            docs, skip = _parquet_docs_after(path, skip)
+            yield from docs
             continue
         docs = [_txt_doc(path)] if path.endswith(".txt") else _jsonl_docs(path)
         for doc in docs:
@@ -229,12 +234,8 @@ class HubSource:
             except Exception as e:
                 raise UserError(f"cannot download {name} of {self.description} ({type(e).__name__}); "
                                 f"run again to continue where it stopped") from None
-            rows = _open_parquet(path).metadata.num_rows
-            if skip >= rows:
-                skip -= rows
-                continue
-            yield from _parquet_docs(path, skip)
-            skip = 0
+            docs, skip = _parquet_docs_after(path, skip)
+            yield from docs
 
 
 # ---------------------------------------------------------------------------- tokenization
