@@ -106,17 +106,8 @@ def check_one_step_equals_single_process(out, rep, single):
     assert max_weight_diff(state, ref_ckpt) < TOL
 
 
-def check_resumed_at(proc, out, start, end, single):
-    """The run resumed from out/ckpt.pt at iteration start and trained on to end as if never stopped."""
-    assert f"resuming from {out}/ckpt.pt at iteration {start}" in proc.stdout
-    assert re.findall(r"^iter (\d+):", proc.stdout, re.M) == [str(i) for i in range(start + 1, end + 1)]
-    assert ckpt(out)["iter_num"] == end
-    # the same data stream and Adam's moments carried on: the uninterrupted run's weights
-    assert max_weight_diff(ckpt(out), single(end)[0]) < TOL
-
-
 def test_ddp_step_equals_single_process_and_sigterm_on_one_rank_stops_both(tmp_path, data_dir, single):
-    # (resuming under DDP: the llm.c shards test below; DDP then FSDP: the Muon test)
+    # (resuming: the llm.c shards test below, DDP then FSDP)
     out = tmp_path / "out"
     # rank 1 gets a SIGTERM while it fetches the first batch; both ranks stop after that step
     proc = ok(torchrun(train_args(data_dir, out, max_iters=100), tmp_path / "r1", SHARED_BATCHES=1,
@@ -143,22 +134,35 @@ def shard_dir(data_dir, tmp_path_factory):
     return out
 
 
-def test_llm_c_shards_train_on_2_ranks_with_disjoint_batches_and_resume_exactly(tmp_path, shard_dir, single):
-    out, dataset = tmp_path / "out", str(shard_dir)  # --dataset=DIR: a directory of shards
-    ok(torchrun(train_args(shard_dir, out, max_iters=2, dataset=dataset), tmp_path / "r1", SHARED_BATCHES=1))
+def test_llm_c_shards_on_2_ranks_with_muon_equal_one_process_under_ddp_and_resume_exactly_under_fsdp(
+        tmp_path, shard_dir, single):
+    # --dataset=DIR of llm.c shards, --optimizer=muon: 2 steps under DDP, then resumed under FSDP (whose Muon
+    # step gathers each sharded matrix whole for Newton-Schulz and keeps its own shard of the result) to 4
+    out, dataset = tmp_path / "out", str(shard_dir)
+
+    def args(**kw):
+        return train_args(shard_dir, out, dataset=dataset, optimizer="muon", **kw)
+
+    ok(torchrun(args(max_iters=2), tmp_path / "r1", SHARED_BATCHES=1))
     ranks = [report(tmp_path / "r1", r)["batches"] for r in (0, 1)]
     assert not set(ranks[0]) & set(ranks[1])  # every rank trains on other windows
-    ref_ckpt, ref = single(2, dataset)
+    ref_ckpt, ref = single(2, dataset, "muon")
     assert ranks[0][:2] + ranks[1][:2] == ref["batches"][:4]  # the one-process run's global batch, split
-    assert max_weight_diff(ckpt(out), ref_ckpt) < TOL
-    proc = ok(torchrun(train_args(shard_dir, out, max_iters=4, dataset=dataset, init_from="resume"),
-                       tmp_path / "r2", SHARED_BATCHES=1))
+    assert max_weight_diff(ckpt(out), ref_ckpt) < MUON_TOL
+    assert max_weight_diff(ckpt(out), single(2, dataset)[0]) > 1e-2  # Muon's steps are not AdamW's
+
+    proc = ok(torchrun(args(max_iters=4, parallel="fsdp", init_from="resume"), tmp_path / "r2", SHARED_BATCHES=1))
     assert f"resuming from {out}/ckpt.pt at iteration 2" in proc.stdout
-    assert max_weight_diff(ckpt(out), single(4, dataset)[0]) < TOL  # the uninterrupted run's weights
+    assert re.findall(r"^iter (\d+):", proc.stdout, re.M) == ["3", "4"]
+    # one reduce-scatter per FSDP group (2 blocks and the root) per step, as in the AdamW test below
+    assert report(tmp_path / "r2", 1)["exchanges"] == {"2": 3, "3": 3}
+    muon_state = ckpt(out)["optimizer"]["state"]["blocks.0.attn.qkv.weight"]
+    assert set(muon_state) == {"momentum_buffer", "step"} and muon_state["step"].item() == 4
+    assert max_weight_diff(ckpt(out), single(4, dataset, "muon")[0]) < MUON_TOL  # the uninterrupted run's
 
 
-def test_fsdp_step_equals_single_process_checkpoint_samples_in_one_process_and_resumes(
-        tmp_path, data_dir, single):
+def test_fsdp_step_equals_single_process_and_its_checkpoint_samples_in_one_process(tmp_path, data_dir, single):
+    # (resuming under FSDP: the shards test above)
     out = tmp_path / "out"
     ok(torchrun(train_args(data_dir, out, max_iters=1, parallel="fsdp"), tmp_path / "r1", SHARED_BATCHES=1))
     check_one_step_equals_single_process(out, tmp_path / "r1", single)
@@ -172,26 +176,6 @@ def test_fsdp_step_equals_single_process_checkpoint_samples_in_one_process_and_r
     sample = run_in_process(sample_script.main, f"--out_dir={out}", "--ckpt=latest", "--num_samples=2",
                             "--max_new_tokens=10", "--device=cpu", check=True)
     assert sample.stdout.count("---------------") == 2
-
-    proc = ok(torchrun(train_args(data_dir, out, max_iters=4, parallel="fsdp", init_from="resume"),
-                       tmp_path / "r2", SHARED_BATCHES=1))
-    check_resumed_at(proc, out, 1, 4, single)
-    assert report(tmp_path / "r2", 1)["exchanges"] == {"1": 3, "2": 3, "3": 3}
-
-
-def test_muon_on_2_ranks_equals_one_process_with_ddp_and_fsdp_and_resumes_exactly(tmp_path, data_dir, single):
-    # 2 steps under DDP, then resumed under FSDP (whose Muon step gathers each sharded matrix whole for
-    # Newton-Schulz and keeps its own shard of the result) to 4: the one-process run's weights each time
-    out = tmp_path / "out"
-    ok(torchrun(train_args(data_dir, out, max_iters=2, optimizer="muon"), tmp_path / "r1", SHARED_BATCHES=1))
-    assert max_weight_diff(ckpt(out), single(2, optimizer="muon")[0]) < MUON_TOL
-    assert max_weight_diff(ckpt(out), single(2)[0]) > 1e-2  # Muon's steps are not AdamW's
-    proc = ok(torchrun(train_args(data_dir, out, max_iters=4, optimizer="muon", parallel="fsdp", init_from="resume"),
-                       tmp_path / "r2", SHARED_BATCHES=1))
-    assert f"resuming from {out}/ckpt.pt at iteration 2" in proc.stdout
-    muon_state = ckpt(out)["optimizer"]["state"]["blocks.0.attn.qkv.weight"]
-    assert set(muon_state) == {"momentum_buffer", "step"} and muon_state["step"].item() == 4
-    assert max_weight_diff(ckpt(out), single(4, optimizer="muon")[0]) < MUON_TOL
 
 
 def test_one_gradient_allreduce_per_step_distinct_batches_only_rank0_writes(tmp_path, data_dir):
