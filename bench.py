@@ -83,6 +83,8 @@ class BenchConfig(TrainConfig):
             raise UserError(f"mode must be sample, train, speedrun or prepare, got {self.mode!r}")
         if self.recipe not in NANOGPT_RECIPES:
             raise UserError(f"recipe must be cpu or gpu, got {self.recipe!r}")
+        if self.mode == "speedrun" and self.recipe == "gpu" and not torch.cuda.is_available():
+            raise UserError("recipe=gpu needs a CUDA GPU and this machine has none; use --recipe=cpu")
         if self.warmup < 0:
             raise UserError(f"warmup must not be negative, got {self.warmup}")
         if self.threads < 0:

@@ -9,7 +9,8 @@ and their tokens as Python ints) leaves with that process instead of staying in 
 which prepare's fork()ed workers would inherit and the memory figures would count. It also gives
 the corpus's token count, from which the shard size is chosen, and reads the corpus into the page
 cache before ours reads it. Ours is the whole prepare_corpus call in this process: reading,
-tokenizing on num_proc processes (each builds its encoding, as in prepare.py), writing the shards.
+tokenizing on num_proc processes (which inherit the encoding built before they fork, as in
+prepare.py), writing the shards.
 Both count one <|endoftext|> per document, and their token counts must be equal: the check that
 both encoded the same text.
 

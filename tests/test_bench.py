@@ -7,6 +7,7 @@ import os
 import re
 
 import pytest
+import torch
 
 import bench
 import bench_prepare
@@ -42,6 +43,12 @@ def test_train_mode_reads_a_training_config_file(capsys):
 def test_bad_settings_are_one_line_errors(arg, message):
     with pytest.raises(UserError, match=message):
         bench.main([*TINY, arg])
+
+
+def test_gpu_speedrun_without_a_gpu_is_a_one_line_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="recipe=gpu needs a CUDA GPU"):
+        bench.main(["--mode=speedrun", "--recipe=gpu"])
 
 
 def test_prepare_mode_counts_the_same_tokens_as_tiktoken(tmp_path):

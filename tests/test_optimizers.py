@@ -188,7 +188,7 @@ def test_grad_scaler_unscales_and_skips_bad_steps():
 def test_unknown_names_are_refused():
     with pytest.raises(ValueError, match="unknown optimizer"):
         build_optimizer(tiny_model(), "sgd", LR, WD, BETAS, "cpu")
-    with pytest.raises(ValueError, match="unknown muon settings"):
+    with pytest.raises(TypeError, match="muon_lrr"):
         build_optimizer(tiny_model(), "muon", LR, WD, BETAS, "cpu", muon_lrr=0.1)
 
 
