@@ -4,7 +4,8 @@ The whole GPT model in one file, read top to bottom:
     Head -> MultiHeadAttention -> FeedForward -> Block -> GPT
 
 It follows GPT-2 (pre-LayerNorm blocks, learned position embedding, tied
-input/output embedding, GELU MLP 4x wide) and keeps nanoGPT's API:
+input/output embedding, GELU MLP 4x wide), with one option GPT-2 lacks
+(`qk_norm`, used by the speedruns), and keeps nanoGPT's API:
 `GPT(GPTConfig(...))`, `model(idx, targets) -> (logits, loss)`,
 `model.generate(...)`, `estimate_mfu(...)` (the optimizer: optimizers.py).
 (GPT-2's published weights load through convert.py, which knows their layout;
@@ -33,6 +34,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in Linear layers and LayerNorms, like GPT-2
     gelu: str = "none"  # GELU approximation: "none" (exact erf) or "tanh" (GPT-2's weights use tanh)
+    qk_norm: bool = False  # normalise each head's queries and keys (not in GPT-2; see MultiHeadAttention)
 
     def validate(self):
         """Raise ValueError naming the first field that cannot build a model. (The one place that
@@ -116,6 +118,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.head_size = config.n_embd // config.n_head
+        self.qk_norm = config.qk_norm
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # W_Q, W_K, W_V of all heads
         # one Head computes every head's attention at once: the heads are a batch dimension
         self.heads = Head(config.dropout)
@@ -124,9 +127,14 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x, kv_cache=None, layer=0):
         B, T, C = x.size()
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_size): the heads become a batch dimension
-        q, k, v = (t.view(B, T, self.n_head, self.head_size).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(B, T, self.n_head, self.head_size) for t in self.qkv(x).split(C, dim=2))
+        if self.qk_norm:
+            # QK-norm: each head's query and key normalised (a LayerNorm without gain over head_size), so
+            # the attention logits stay bounded however large the weights grow and large steps are safe
+            # (modded-nanogpt uses RMSNorm; LayerNorm learns as well and is a fused kernel on the CPU)
+            q, k = F.layer_norm(q, (self.head_size,)), F.layer_norm(k, (self.head_size,))
+        # (B, T, n_head, head_size) -> (B, n_head, T, head_size): the heads become a batch dimension
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)
         y = self.heads(q, k, v)  # (B, n_head, T, head_size)

@@ -16,7 +16,7 @@ import gc
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import numpy as np
@@ -75,6 +75,7 @@ class TrainConfig:
     bias: bool = setting(False, "biases in Linear and LayerNorm layers")
     vocab_size: Optional[int] = setting(None, "vocabulary size (None: the dataset's; GPT-2 BPE padded to 50304)")
     gelu: str = setting("none", "GELU approximation: none (exact) or tanh (GPT-2)")
+    qk_norm: bool = setting(False, "normalise each head's queries and keys (QK-norm; steadier with Muon)")
     # optimizer
     optimizer: str = setting("adamw", "adamw, or muon: Muon on the blocks' matrices, AdamW on the rest")
     learning_rate: float = setting(6e-4, "peak learning rate (AdamW's)")
@@ -100,9 +101,8 @@ class TrainConfig:
     parallel: str = setting("ddp", "under torchrun: ddp (replicate the model) or fsdp (shard it)")
     seed: int = setting(1337, "random seed")
 
-    def gpt_config(self, vocab_size):
-        return GPTConfig(block_size=self.block_size, vocab_size=vocab_size, n_layer=self.n_layer, n_head=self.n_head,
-                         n_embd=self.n_embd, dropout=self.dropout, bias=self.bias, gelu=self.gelu)
+    def gpt_config(self, vocab_size):  # (every GPTConfig field is a setting of the same name)
+        return GPTConfig(**{f.name: getattr(self, f.name) for f in fields(GPTConfig)} | {"vocab_size": vocab_size})
 
     def validate(self):
         """One-line errors for impossible settings, before anything starts (the model's own: GPTConfig)."""
@@ -375,7 +375,7 @@ class Trainer:
         if cfg.init_from not in ("scratch", "resume"):
             model = convert.load_for_finetune(cfg.init_from, self.meta, cfg.dataset, cfg.block_size, cfg.dropout)
             mc = model.config
-            for name in ("n_layer", "n_head", "n_embd", "bias", "gelu", "vocab_size"):  # so train_config tells the truth
+            for name in {f.name for f in fields(GPTConfig)} - {"block_size", "dropout"}:  # train_config tells the truth
                 setattr(cfg, name, getattr(mc, name))
             self.log(f"initialized from {cfg.init_from}: n_layer={mc.n_layer}, n_head={mc.n_head}, n_embd={mc.n_embd}, "
                      f"vocab_size={mc.vocab_size}, block_size={mc.block_size}, bias={mc.bias}, gelu={mc.gelu}")

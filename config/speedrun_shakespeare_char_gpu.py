@@ -30,6 +30,7 @@ n_layer = 6
 n_head = 6
 n_embd = 384
 dropout = 0.2  # as nanoGPT's: this model overfits Tiny Shakespeare without it
+qk_norm = True  # as the CPU speedrun (there: 1.8847 -> 1.8401 val loss at 400 steps)
 
 optimizer = "muon"
 muon_lr = 0.02

@@ -66,6 +66,8 @@ TRAIN_CASES = {
                            ["ckpt.pt is truncated or corrupt"]),
     "resume_other_model_shape": (None, {"init_from": "resume", "n_layer": 3},
                                  ["n_layer=2 but the config asks for 3", "same model settings"]),
+    "resume_other_attention": (None, {"init_from": "resume", "qk_norm": True},
+                               ["qk_norm=False but the config asks for True", "same model settings"]),
     "resume_larger_vocabulary": (None, {"init_from": "resume", "dataset": "wide"},
                                  ["vocab_size=53 but dataset wide needs 63", "dataset it was trained on"]),
     "resume_other_characters": (None, {"init_from": "resume", "dataset": "other"},

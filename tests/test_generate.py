@@ -11,6 +11,7 @@ MODELS = [
     (0, dict(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=8)),
     (1, dict(block_size=16, vocab_size=37, n_layer=2, n_head=4, n_embd=32, bias=False)),
     (2, dict(block_size=12, vocab_size=65, n_layer=3, n_head=2, n_embd=24, gelu="tanh")),
+    (3, dict(block_size=10, vocab_size=29, n_layer=2, n_head=2, n_embd=16, qk_norm=True)),  # keys cached normalised
 ]
 
 

@@ -169,11 +169,11 @@ def test_bad_init_from_is_one_line_and_exit_2(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------- export
 
 
-def our_checkpoint(out_dir, gelu="tanh", bias=True, seed=5):
+def our_checkpoint(out_dir, gelu="tanh", bias=True, seed=5, qk_norm=False):
     """A random model of ours saved as out_dir/best.pt; returns the model."""
     torch.manual_seed(seed)
     model = perturb(GPT(GPTConfig(block_size=48, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, bias=bias,
-                                  gelu=gelu, dropout=0.1)), seed).eval()
+                                  gelu=gelu, dropout=0.1, qk_norm=qk_norm)), seed).eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     state = checkpoint.training_state(model.state_dict(), model.config, train.TrainConfig(), DatasetMeta.gpt2(),
                                       iter_num=7, best_val_loss=3.0)
@@ -221,17 +221,15 @@ def test_a_checkpoint_with_a_model_setting_this_code_does_not_know_is_refused(tm
     assert not (tmp_path / "new").exists()
 
 
-def test_export_refuses_what_gpt2_cannot_express_and_overwrites_nothing(tmp_path, monkeypatch):
-    """convert.to_hf's own refusal: a model setting GPT-2's config.json cannot say (here: pretend the tanh
-    GELU were one) is refused in one line, and nothing is written."""
-    our_checkpoint(tmp_path / "out", gelu="tanh")
-    monkeypatch.setattr(convert, "_EXPRESSIBLE", convert._EXPRESSIBLE - {"gelu"})
-    with pytest.raises(UserError, match="cannot express gelu='tanh'"):
+def test_export_refuses_what_gpt2_cannot_express_and_overwrites_nothing(tmp_path):
+    """convert.to_hf's own refusal: a model setting GPT-2's config.json cannot say (QK-norm) is refused
+    in one line, and nothing is written."""
+    our_checkpoint(tmp_path / "out", qk_norm=True)
+    with pytest.raises(UserError, match="cannot express qk_norm=True"):
         convert.to_hf(checkpoint.load(tmp_path / "out" / checkpoint.BEST).build_model(), DatasetMeta.gpt2())
     proc = run_in_process(export.main, f"--out_dir={tmp_path / 'out'}", tmp_path / "new")
-    assert_one_error_line(proc, "cannot express gelu='tanh'")
+    assert_one_error_line(proc, "cannot express qk_norm=True")
     assert not (tmp_path / "new").exists()
-    monkeypatch.undo()
 
     our_checkpoint(tmp_path / "out")
     dest = tmp_path / "taken"

@@ -48,9 +48,11 @@ def test_changing_token_t_never_changes_earlier_logits(bias):
             assert not torch.equal(out[:, t], base[:, t])
 
 
-def reference_attention(mha, x):
+def reference_attention(mha, x, qk_norm=False):
     """softmax(Q K^T / sqrt(d)) V with an explicit causal mask, one head at a time from the module's
-    own weights, the heads concatenated and projected by W_O. No scaled_dot_product_attention."""
+    own weights, the heads concatenated and projected by W_O. No scaled_dot_product_attention.
+    With qk_norm, each query and key row is first normalised: minus its mean, divided by its standard
+    deviation (the biased one, plus LayerNorm's eps 1e-5 under the root)."""
     B, T, C = x.shape
     n_head = mha.n_head
     d = C // n_head
@@ -62,6 +64,9 @@ def reference_attention(mha, x):
         Wq, Wk, Wv = W[rows], W[C:][rows], W[2 * C:][rows]
         bq, bk, bv = (b[rows], b[C:][rows], b[2 * C:][rows]) if b is not None else (0, 0, 0)
         q, k, v = x @ Wq.T + bq, x @ Wk.T + bk, x @ Wv.T + bv  # (B, T, d)
+        if qk_norm:
+            q, k = ((t - t.mean(-1, keepdim=True)) / torch.sqrt(t.var(-1, unbiased=False, keepdim=True) + 1e-5)
+                    for t in (q, k))
         scores = q @ k.transpose(1, 2) / math.sqrt(d)  # (B, T, T)
         scores = scores.masked_fill(~mask, float("-inf"))
         heads.append(torch.softmax(scores, dim=-1) @ v)
@@ -69,16 +74,16 @@ def reference_attention(mha, x):
     return y @ mha.proj.weight.T + (mha.proj.bias if mha.proj.bias is not None else 0)
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_batched_attention_equals_per_head_formula(bias):
+@pytest.mark.parametrize("bias,qk_norm", [(True, False), (False, False), (True, True)])
+def test_batched_attention_equals_per_head_formula(bias, qk_norm):
     torch.manual_seed(0)
-    mha = MultiHeadAttention(tiny_config(bias=bias, n_embd=48, n_head=6)).eval()
+    mha = MultiHeadAttention(tiny_config(bias=bias, n_embd=48, n_head=6, qk_norm=qk_norm)).eval()
     if bias:  # nonzero biases, so that they are checked too
         for p in (mha.qkv.bias, mha.proj.bias):
             torch.nn.init.normal_(p, std=0.5)
     x = torch.randn(3, 11, 48)
     with torch.no_grad():
-        diff = (mha(x) - reference_attention(mha, x)).abs().max().item()
+        diff = (mha(x) - reference_attention(mha, x, qk_norm)).abs().max().item()
     assert diff < 1e-5
 
 
