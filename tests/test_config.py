@@ -263,3 +263,17 @@ def test_lr_edge_cases():
     both_zero = lr_config(warmup_iters=0, lr_decay_iters=0)
     assert get_lr(0, both_zero) == pytest.approx(1e-4)
     assert get_lr(123, lr_config(decay_lr=False)) == 1e-3
+
+
+def test_every_model_field_is_a_training_setting_and_reaches_the_model():
+    """TrainConfig.gpt_config copies every GPTConfig field by name: each must exist as a setting, and a
+    value given on the command line must arrive in the model's config."""
+    from dataclasses import fields
+
+    from model import GPTConfig
+
+    assert {f.name for f in fields(GPTConfig)} <= {f.name for f in fields(TrainConfig)}
+    cfg = configurator.parse(TrainConfig, ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=8",
+                                           "--dropout=0.1", "--bias=True", "--gelu=tanh", "--qk_norm=True"])
+    assert cfg.gpt_config(70) == GPTConfig(block_size=8, vocab_size=70, n_layer=3, n_head=2, n_embd=16, dropout=0.1,
+                                           bias=True, gelu="tanh", qk_norm=True)
