@@ -15,7 +15,8 @@ groups' 1.0, so Muon's rate follows the same warmup and decay, scaled.
 
 Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/): SGD momentum (Nesterov) whose
 update, per matrix, is replaced by the nearest semi-orthogonal matrix (all singular values ~1),
-computed by 5 steps of a quintic Newton-Schulz iteration. It is meant for the 2-D weights inside
+computed by a few steps (muon_ns_steps, 5 by default) of a quintic Newton-Schulz iteration with
+Polar Express's coefficients. It is meant for the 2-D weights inside
 the transformer blocks; embeddings (the token embedding is also the output layer), LayerNorm
 gains and biases stay on AdamW, as in modded-nanogpt.
 """
@@ -26,7 +27,18 @@ import math
 import torch
 from torch.optim.adam import adam
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's default)
+# The quintic Newton-Schulz step X <- aX + (bA + cA^2)X with one (a, b, c) per step: Polar Express (Amsel,
+# Persson, Musco, Gower 2025, as modded-nanogpt uses it), where each step's polynomial is fitted to the range
+# of singular values the previous steps leave. (torch.optim.Muon repeats Keller Jordan's (3.4445, -4.7750,
+# 2.0315).) After 5 steps the singular values lie within ~0.86-1.14; after 3 only within ~0.16-1.9, yet
+# the CPU speedrun learns as well with 3 as with 5, for 40 % less work (BENCHMARKS.md).
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
 
 
 def build_optimizer(model, name, learning_rate, weight_decay, betas, device_type, muon_lr=0.02, muon_momentum=0.95,
@@ -107,8 +119,8 @@ class MuonAdamW(torch.optim.AdamW):
              decoupled_weight_decay=group["decoupled_weight_decay"])
 
     def _muon_step(self, group):
-        """torch.optim.Muon's update (Nesterov momentum, Newton-Schulz, decoupled weight decay),
-        with the orthogonalisation in float32 on the CPU and gathered whole under FSDP."""
+        """torch.optim.Muon's update (Nesterov momentum, Newton-Schulz, decoupled weight decay), with
+        Polar Express's coefficients, the orthogonalisation in float32 on the CPU and gathered whole under FSDP."""
         lr = group["lr"] * group["lr_scale"]
         momentum = group["momentum"]
         for p in group["params"]:
@@ -142,21 +154,24 @@ def _orthogonalize(update, ns_steps):
     return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
 
 
-def newton_schulz(g, steps=5, coefficients=NS_COEFFICIENTS, eps=1e-7):
-    """About U V^T for G = U S V^T (singular values pushed into ~[0.7, 1.2]), as torch.optim.Muon:
-    X <- aX + (bA + cA^2)X with A = XX^T, `steps` times, from X = G / |G| (Frobenius norm >= spectral
-    norm: singular values <= 1). In bfloat16 on CUDA, as Muon's authors do; in float32 elsewhere:
-    torch.optim.Muon always uses bfloat16, which CPUs without native bf16 (AVX2) emulate, many times slower."""
-    a, b, c = coefficients
+def newton_schulz(g, steps=5, eps=1e-7):
+    """About U V^T for G = U S V^T (singular values pushed near 1): X <- aX + (bA + cA^2)X with A = XX^T,
+    for the first `steps` of POLAR_EXPRESS's coefficients, from X = G / (1.02 |G|) (the Frobenius norm is
+    at least the spectral norm, so singular values start below 1, with 2 % to spare for rounding). In
+    bfloat16 on CUDA, as Muon's authors do; in float32 elsewhere: CPUs without native bf16 (AVX2) emulate
+    it, many times slower."""
+    if not 1 <= steps <= len(POLAR_EXPRESS):
+        raise ValueError(f"Newton-Schulz steps must be 1 to {len(POLAR_EXPRESS)}, got {steps}")
+    coefficients = POLAR_EXPRESS[:steps]
     x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
     tall = g.size(0) > g.size(1)
     if tall:  # work on the wide orientation: A is then the smaller Gram matrix
         x = x.T
-    x = x / x.norm().clamp(min=eps)
+    x = x / (x.norm() * 1.02).clamp(min=eps)
     if not x.is_cuda and x.size(0) < x.size(1):
-        x = _newton_schulz_small(x, steps, coefficients)
+        x = _newton_schulz_small(x, coefficients)
     else:
-        for _ in range(steps):
+        for a, b, c in coefficients:
             gram = x @ x.T
             x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     if tall:
@@ -164,16 +179,15 @@ def newton_schulz(g, steps=5, coefficients=NS_COEFFICIENTS, eps=1e-7):
     return x.to(g.dtype)
 
 
-def _newton_schulz_small(x, steps, coefficients):
+def _newton_schulz_small(x, coefficients):
     """The same iteration for a wide x (rows < cols), computed on rows x rows matrices only. Every
     iterate is X_k = Q_k X_0: Q_0 = I, Q_k+1 = (aI + bA_k + cA_k^2) Q_k, and A_k = X_k X_k^T = Q_k G Q_k^T
     with G = X_0 X_0^T. So X_0 is multiplied twice (G, and Q X_0 at the end) instead of twice per step:
     for the speedrun's 128 x 512 matrices a third fewer FLOPs (BENCHMARKS.md), the same matrix up to
-    float32 rounding. (On CUDA, in bfloat16, the plain iteration stays: it is what Muon was tuned with.)"""
-    a, b, c = coefficients
+    float32 rounding. (On CUDA, in bfloat16, the plain iteration stays: it is what Muon is run with there.)"""
     gram = x @ x.T
     q = None
-    for _ in range(steps):
+    for a, b, c in coefficients:
         A = gram if q is None else q @ gram @ q.T
         poly = torch.addmm(A, A, A, beta=b, alpha=c)  # bA + cA^2
         if q is None:

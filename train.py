@@ -46,8 +46,7 @@ class TrainConfig:
     eval_iters: int = setting(200, "batches per split in each evaluation")
     eval_only: bool = setting(False, "evaluate once and exit")
     eval_at_start: bool = setting(True, "evaluate before the first step too (False saves that time, e.g. in a speedrun)")
-    eval_whole_val: bool = setting(False, "val loss over the whole val split in order (exact, the same windows every "
-                                          "time; one forward pass over it) instead of eval_iters random batches")
+    eval_whole_val: bool = setting(False, "val loss over the whole val split, in order (exact), not eval_iters batches")
     hellaswag_interval: int = setting(0, "HellaSwag acc_norm every this many steps and at the last (a multiple of "
                                          "eval_interval; 0: off; GPT-2 BPE data only)")
     hellaswag: str = setting("auto", "HellaSwag data for hellaswag_interval: a hellaswag_val.jsonl, or auto (download)")
@@ -81,8 +80,8 @@ class TrainConfig:
     learning_rate: float = setting(6e-4, "peak learning rate (AdamW's)")
     muon_lr: float = setting(0.02, "optimizer=muon: Muon's peak learning rate (follows the same schedule)")
     muon_momentum: float = setting(0.95, "optimizer=muon: Muon's Nesterov momentum")
-    muon_momentum_warmup: int = setting(0, "optimizer=muon: steps over which Muon's momentum goes from 0.85 to "
-                                           "muon_momentum (0: muon_momentum from the start)")
+    muon_momentum_warmup: int = setting(0, "optimizer=muon: steps in which Muon's momentum rises 0.85 -> muon_momentum")
+    muon_ns_steps: int = setting(5, "optimizer=muon: Newton-Schulz steps, 1 to 5 (Polar Express's coefficients)")
     max_iters: int = setting(600000, "optimizer steps in total")
     weight_decay: float = setting(1e-1, "AdamW weight decay (matrices and embeddings only)")
     beta1: float = setting(0.9, "AdamW beta1")
@@ -118,10 +117,10 @@ class TrainConfig:
             raise UserError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if self.min_lr < 0 or self.min_lr > self.learning_rate:
             raise UserError(f"min_lr must be between 0 and learning_rate, got {self.min_lr}")
-        if self.optimizer not in ("adamw", "muon"):
-            raise UserError(f"optimizer must be adamw or muon, got {self.optimizer!r}")
-        if self.parallel not in ("ddp", "fsdp"):
-            raise UserError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
+        for name, allowed in (("optimizer", ("adamw", "muon")), ("parallel", ("ddp", "fsdp")),
+                              ("muon_ns_steps", range(1, 6))):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"{name} must be one of {', '.join(map(str, allowed))}, got {getattr(self, name)!r}")
         try:
             self.gpt_config(self.vocab_size if self.vocab_size is not None else 50304).validate()
         except ValueError as e:
@@ -174,7 +173,8 @@ class Trainer:
         if self.world.distributed and cfg.parallel == "fsdp":
             distributed.shard(self.raw_model)
         self.optimizer = build_optimizer(self.raw_model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay,
-                                         (cfg.beta1, cfg.beta2), self.device_type, muon_lr=cfg.muon_lr)
+                                         (cfg.beta1, cfg.beta2), self.device_type, muon_lr=cfg.muon_lr,
+                                         muon_ns_steps=cfg.muon_ns_steps)
         # fp16 gradients can underflow: scale the loss up, and skip steps whose gradients overflow
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=(self.dtype == "float16"))
         # a non-finite loss is recorded on the device (no sync every step) and checked when logging/saving

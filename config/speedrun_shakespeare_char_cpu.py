@@ -4,7 +4,8 @@
 #
 # Each lever measured in BENCHMARKS.md ("CPU speedrun on any CPU"): Muon on the blocks' matrices (AdamW
 # for embeddings and gains), which reaches in 500 steps what AdamW reaches in 1,400; QK-norm and Muon's
-# momentum rising from 0.85 to 0.9 over the whole run, which take it there in 400; 2 layers instead of
+# momentum rising from 0.85 to 0.9 over the whole run, which take it there in 400; 3 Newton-Schulz steps
+# with Polar Express's coefficients instead of 5 (40 % cheaper, as good); 2 layers instead of
 # nanoGPT's 4 (as good with Muon, half the cost); batch 16; a schedule that ends with the run; one exact
 # evaluation, at the end, over the whole val split; dtype=auto (bfloat16 only where the CPU computes it
 # natively).
@@ -33,6 +34,7 @@ optimizer = "muon"
 muon_lr = 0.025
 muon_momentum = 0.9
 muon_momentum_warmup = 400  # 0.85 -> 0.9 over the whole run (-> 0.95 over 250 steps: 1.8619)
+muon_ns_steps = 3  # as good as 5 here (seeds 1337, 1-4: mean 1.861 vs 1.858), 40 % less Newton-Schulz work
 learning_rate = 5e-3  # AdamW's (embeddings and gains)
 max_iters = 400
 lr_decay_iters = 400

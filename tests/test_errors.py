@@ -82,6 +82,7 @@ TRAIN_CASES = {
     "vocab_below_the_datasets": (None, {"vocab_size": 10}, ["vocab_size 10 is smaller than the dataset's"]),
     "resume_other_vocab_size": (None, {"init_from": "resume", "vocab_size": 70},
                                 ["vocab_size=53 but the config asks for 70"]),
+    "muon_ns_steps_too_many": (None, {"muon_ns_steps": 6}, ["muon_ns_steps must be one of 1, 2, 3, 4, 5, got 6"]),
     "max_iters_negative": (None, {"max_iters": -5}, ["max_iters must not be negative, got -5"]),
     "learning_rate_zero": (None, {"learning_rate": 0.0}, ["learning_rate must be positive"]),
     "learning_rate_negative": (None, {"learning_rate": -1e-3}, ["learning_rate must be positive"]),

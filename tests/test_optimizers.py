@@ -89,14 +89,24 @@ def test_adamw_groups_get_exactly_adamws_update():
             assert torch.equal(p, dict(b.named_parameters())[n]), n
 
 
+# Polar Express's coefficients (Amsel, Persson, Musco, Gower 2025), as modded-nanogpt lists them
+PAPER_COEFFICIENTS = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+
+
 def newton_schulz_by_hand(m, steps=5):
-    """Keller Jordan's quintic iteration X <- aX + (bA + cA^2)X, A = XX^T, in float64."""
-    a, b, c = 3.4445, -4.7750, 2.0315
+    """The quintic iteration X <- aX + (bA + cA^2)X, A = XX^T, with step k's coefficients, in float64,
+    from X = M / (1.02 |M|_F) (on the wide orientation)."""
     x = m.double()
     tall = x.shape[0] > x.shape[1]
     x = x.T if tall else x
-    x = x / x.norm()
-    for _ in range(steps):
+    x = x / (1.02 * x.norm())
+    for a, b, c in PAPER_COEFFICIENTS[:steps]:
         A = x @ x.T
         x = a * x + (b * A + c * A @ A) @ x
     return x.T if tall else x
@@ -122,15 +132,21 @@ def test_muon_update_is_the_orthogonalised_nesterov_momentum():
         lr = MUON_LR * mult
         expected = expected * (1 - lr * 0.5) - lr * 2.0 * newton_schulz_by_hand(nesterov)
         torch.testing.assert_close(w.detach().double(), expected, rtol=0, atol=2e-6)
-    # and the orthogonalised matrix has its singular values near 1 (the quintic's band is ~0.7-1.2)
+    # and the orthogonalised matrix has its singular values near 1
     s = torch.linalg.svdvals(newton_schulz_by_hand(grads[0]))
     assert s.min() > 0.6 and s.max() < 1.25
 
 
+@pytest.mark.parametrize("steps", [5, 3])
 @pytest.mark.parametrize("shape", [(24, 96), (96, 24), (48, 48)])  # wide (computed on 24 x 24), tall, square
-def test_newton_schulz_is_the_iteration_written_out(shape):
+def test_newton_schulz_is_the_iteration_written_out(shape, steps):
     m = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
-    torch.testing.assert_close(newton_schulz(m).double(), newton_schulz_by_hand(m), rtol=0, atol=2e-6)
+    torch.testing.assert_close(newton_schulz(m, steps).double(), newton_schulz_by_hand(m, steps), rtol=0, atol=2e-6)
+    if steps == 5:  # the point of the iteration: the singular values end up near 1 (measured 0.86-1.14)
+        s = torch.linalg.svdvals(newton_schulz(m, steps).double())
+        assert s.min() > 0.8 and s.max() < 1.2
+    with pytest.raises(ValueError, match="1 to 5"):
+        newton_schulz(m, 6)
 
 
 def test_state_dict_round_trip_gives_identical_steps():
