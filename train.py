@@ -33,7 +33,7 @@ from eval import TrainingHellaSwag
 from hardware import autocast, describe, peak_flops, pick_dtype
 from metrics import Metrics
 from model import GPT, GPTConfig
-from optimizers import build_optimizer, set_schedule
+from optimizers import POLAR_EXPRESS, build_optimizer, set_schedule
 from stopping import StopFlag
 
 
@@ -118,7 +118,7 @@ class TrainConfig:
         if self.min_lr < 0 or self.min_lr > self.learning_rate:
             raise UserError(f"min_lr must be between 0 and learning_rate, got {self.min_lr}")
         for name, allowed in (("optimizer", ("adamw", "muon")), ("parallel", ("ddp", "fsdp")),
-                              ("muon_ns_steps", range(1, 6))):
+                              ("muon_ns_steps", range(1, len(POLAR_EXPRESS) + 1))):
             if getattr(self, name) not in allowed:
                 raise UserError(f"{name} must be one of {', '.join(map(str, allowed))}, got {getattr(self, name)!r}")
         try:
