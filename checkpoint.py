@@ -97,7 +97,7 @@ class Checkpoint:
     def check_resume(self, cfg, data_meta):
         """Refuse to resume with other model settings or on data with other tokens."""
         mc = self.model_config
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "bias", "qk_norm"):
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "bias", "qk_norm", "mlp_ratio"):
             if getattr(mc, name) != getattr(cfg, name):
                 raise UserError(f"{self.path} has {name}={getattr(mc, name)} but the config asks for "
                                 f"{getattr(cfg, name)}; resume with the same model settings or start from scratch")

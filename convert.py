@@ -54,7 +54,7 @@ _HF_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_python_tanh":
             "gelu": "none", "gelu_python": "none"}
 _GELU_TO_HF = {"tanh": "gelu_new", "none": "gelu"}  # gelu_new: the name GPT-2's own config.json uses
 # the GPTConfig fields a GPT-2 config.json can say; any other field must keep its default to be exported
-_EXPRESSIBLE = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "gelu"}
+_EXPRESSIBLE = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "gelu", "mlp_ratio"}
 
 
 def _our_name(key):
@@ -194,8 +194,9 @@ def config_from_hf(hf, source, dropout=0.0):
     if act not in _HF_GELU:
         refuse(f"activation_function is {act!r} (supported: {', '.join(_HF_GELU)})")
     n_embd = hf.get("n_embd", 768)
-    if hf.get("n_inner") not in (None, 4 * n_embd):
-        refuse(f"the MLP is {hf['n_inner']} wide instead of 4 * n_embd = {4 * n_embd}")
+    n_inner = hf.get("n_inner") or 4 * n_embd  # None: GPT-2's 4 * n_embd
+    if n_inner % n_embd:
+        refuse(f"the MLP is {n_inner} wide, not a multiple of n_embd = {n_embd}")
     if hf.get("layer_norm_epsilon", 1e-5) != 1e-5:
         refuse(f"layer_norm_epsilon is {hf['layer_norm_epsilon']} instead of 1e-5")
     if not hf.get("scale_attn_weights", True):
@@ -207,7 +208,7 @@ def config_from_hf(hf, source, dropout=0.0):
     # reorder_and_upcast_attn only changes the precision of the attention scores, not the maths: accepted
     config = GPTConfig(block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
                        n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd,
-                       dropout=dropout, bias=True, gelu=_HF_GELU[act])
+                       dropout=dropout, bias=True, gelu=_HF_GELU[act], mlp_ratio=n_inner // n_embd)
     try:
         config.validate()
     except ValueError as e:
@@ -307,7 +308,8 @@ def to_hf(model, data_meta):
     config = {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": mc.vocab_size, "n_positions": mc.block_size, "n_embd": mc.n_embd, "n_layer": mc.n_layer,
-        "n_head": mc.n_head, "n_inner": None, "activation_function": _GELU_TO_HF[mc.gelu],
+        "n_head": mc.n_head, "n_inner": None if mc.mlp_ratio == 4 else mc.mlp_ratio * mc.n_embd,
+        "activation_function": _GELU_TO_HF[mc.gelu],
         "resid_pdrop": mc.dropout, "embd_pdrop": mc.dropout, "attn_pdrop": mc.dropout,
         "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "tie_word_embeddings": True,

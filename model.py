@@ -4,8 +4,8 @@ The whole GPT model in one file, read top to bottom:
     Head -> MultiHeadAttention -> FeedForward -> Block -> GPT
 
 It follows GPT-2 (pre-LayerNorm blocks, learned position embedding, tied
-input/output embedding, GELU MLP 4x wide), with one option GPT-2 lacks
-(`qk_norm`, used by the speedruns), and keeps nanoGPT's API:
+input/output embedding, GELU MLP 4x wide: `mlp_ratio`), with one option GPT-2
+lacks (`qk_norm`, used by the speedruns), and keeps nanoGPT's API:
 `GPT(GPTConfig(...))`, `model(idx, targets) -> (logits, loss)`,
 `model.generate(...)`, `estimate_mfu(...)` (the optimizer: optimizers.py).
 (GPT-2's published weights load through convert.py, which knows their layout;
@@ -35,11 +35,12 @@ class GPTConfig:
     bias: bool = True  # biases in Linear layers and LayerNorms, like GPT-2
     gelu: str = "none"  # GELU approximation: "none" (exact erf) or "tanh" (GPT-2's weights use tanh)
     qk_norm: bool = False  # normalise each head's queries and keys (not in GPT-2; see MultiHeadAttention)
+    mlp_ratio: int = 4  # the MLP's hidden width in multiples of n_embd (GPT-2: 4)
 
     def validate(self):
         """Raise ValueError naming the first field that cannot build a model. (The one place that
         checks the model's settings: train.py turns the ValueError into a one-line error.)"""
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -143,13 +144,14 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """The MLP of a block: expand 4x, GELU, project back."""
+    """The MLP of a block: expand (4x in GPT-2: mlp_ratio), GELU, project back."""
 
     def __init__(self, config):
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        hidden = config.mlp_ratio * config.n_embd
+        self.fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
         self.gelu = nn.GELU(approximate=config.gelu)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):

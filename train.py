@@ -52,9 +52,8 @@ class TrainConfig:
     hellaswag: str = setting("auto", "HellaSwag data for hellaswag_interval: a hellaswag_val.jsonl, or auto (download)")
     always_save_checkpoint: bool = setting(True, "write ckpt.pt at every evaluation, not only when val loss improves")
     ckpt_interval: int = setting(1000, "also write ckpt.pt every this many iterations (0: only at evals and the end)")
-    init_from: str = setting("scratch", "scratch (new model), resume (continue from out_dir/ckpt.pt), or GPT-2 "
-                                        "weights to finetune: gpt2, gpt2-medium, gpt2-large, gpt2-xl (local Hugging "
-                                        "Face cache) or a Hugging Face GPT-2 directory")
+    init_from: str = setting("scratch", "scratch (new model), resume (out_dir/ckpt.pt), or GPT-2 weights to "
+                                        "finetune: gpt2[-medium|-large|-xl] (Hugging Face cache) or a GPT-2 directory")
     # wandb
     wandb_log: bool = setting(False, "log to Weights & Biases")
     wandb_project: str = setting("owt", "wandb project name")
@@ -75,6 +74,7 @@ class TrainConfig:
     vocab_size: Optional[int] = setting(None, "vocabulary size (None: the dataset's; GPT-2 BPE padded to 50304)")
     gelu: str = setting("none", "GELU approximation: none (exact) or tanh (GPT-2)")
     qk_norm: bool = setting(False, "normalise each head's queries and keys (QK-norm; steadier with Muon)")
+    mlp_ratio: int = setting(4, "the MLP's hidden width in multiples of n_embd (GPT-2: 4)")
     # optimizer
     optimizer: str = setting("adamw", "adamw, or muon: Muon on the blocks' matrices, AdamW on the rest")
     learning_rate: float = setting(6e-4, "peak learning rate (AdamW's)")

@@ -274,6 +274,7 @@ def test_every_model_field_is_a_training_setting_and_reaches_the_model():
 
     assert {f.name for f in fields(GPTConfig)} <= {f.name for f in fields(TrainConfig)}
     cfg = configurator.parse(TrainConfig, ["--n_layer=3", "--n_head=2", "--n_embd=16", "--block_size=8",
-                                           "--dropout=0.1", "--bias=True", "--gelu=tanh", "--qk_norm=True"])
+                                           "--dropout=0.1", "--bias=True", "--gelu=tanh", "--qk_norm=True",
+                                           "--mlp_ratio=3"])
     assert cfg.gpt_config(70) == GPTConfig(block_size=8, vocab_size=70, n_layer=3, n_head=2, n_embd=16, dropout=0.1,
-                                           bias=True, gelu="tanh", qk_norm=True)
+                                           bias=True, gelu="tanh", qk_norm=True, mlp_ratio=3)

@@ -104,7 +104,7 @@ def test_gpt2_name_loads_from_the_local_hub_cache(tmp_path, hf_dir, monkeypatch)
     ({"activation_function": "relu"}, "activation_function is 'relu'"),
     ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ({"scale_attn_weights": False}, "scale_attn_weights"),
-    ({"n_inner": 64}, "64 wide"),
+    ({"n_inner": 48}, "48 wide, not a multiple of n_embd = 32"),
     ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon"),
     ({"add_cross_attention": True}, "add_cross_attention"),
     ({"model_type": "llama"}, "model_type is 'llama'"),
@@ -125,6 +125,15 @@ def test_exact_gelu_config_loads_as_exact_gelu(tmp_path):
     ours = convert.load_hf(str(tmp_path / "m"))
     assert ours.config.gelu == "none"
     idx = tokens(3)
+    torch.testing.assert_close(our_logits(ours, idx), hf_logits(hf, idx), atol=TOL, rtol=0)
+
+
+def test_other_mlp_width_loads_as_mlp_ratio(tmp_path):
+    hf = hf_model(seed=6, n_inner=96)  # 3 * n_embd
+    hf.save_pretrained(tmp_path / "m")
+    ours = convert.load_hf(str(tmp_path / "m"))
+    assert ours.config.mlp_ratio == 3 and ours.blocks[0].ffwd.fc.weight.shape == (96, 32)
+    idx = tokens(6)
     torch.testing.assert_close(our_logits(ours, idx), hf_logits(hf, idx), atol=TOL, rtol=0)
 
 
@@ -169,11 +178,11 @@ def test_bad_init_from_is_one_line_and_exit_2(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------- export
 
 
-def our_checkpoint(out_dir, gelu="tanh", bias=True, seed=5, qk_norm=False):
+def our_checkpoint(out_dir, gelu="tanh", bias=True, seed=5, qk_norm=False, mlp_ratio=4):
     """A random model of ours saved as out_dir/best.pt; returns the model."""
     torch.manual_seed(seed)
     model = perturb(GPT(GPTConfig(block_size=48, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, bias=bias,
-                                  gelu=gelu, dropout=0.1, qk_norm=qk_norm)), seed).eval()
+                                  gelu=gelu, dropout=0.1, qk_norm=qk_norm, mlp_ratio=mlp_ratio)), seed).eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     state = checkpoint.training_state(model.state_dict(), model.config, train.TrainConfig(), DatasetMeta.gpt2(),
                                       iter_num=7, best_val_loss=3.0)
@@ -181,13 +190,14 @@ def our_checkpoint(out_dir, gelu="tanh", bias=True, seed=5, qk_norm=False):
     return model
 
 
-@pytest.mark.parametrize("gelu, bias", [("tanh", True), ("none", False)])
-def test_export_loads_in_transformers_with_the_same_logits(tmp_path, gelu, bias):
-    ours = our_checkpoint(tmp_path / "out", gelu, bias)
+@pytest.mark.parametrize("gelu, bias, mlp_ratio", [("tanh", True, 4), ("none", False, 4), ("tanh", True, 3)])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, gelu, bias, mlp_ratio):
+    ours = our_checkpoint(tmp_path / "out", gelu, bias, mlp_ratio=mlp_ratio)
     dest = tmp_path / "hf"
     export.main([f"--out_dir={tmp_path / 'out'}", "--to=hf", str(dest)])
     config = json.loads((dest / "config.json").read_text())
     assert config["activation_function"] == {"tanh": "gelu_new", "none": "gelu"}[gelu]
+    assert config["n_inner"] == {4: None, 3: 96}[mlp_ratio]  # None: GPT-2's 4 * n_embd
     hf, info = GPT2LMHeadModel.from_pretrained(dest, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched weights
     idx = tokens(5, T=48)

@@ -174,13 +174,13 @@ def test_lm_head_is_tied_to_the_token_embedding():
     assert "tok_emb.weight" in names and "lm_head.weight" not in names
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_get_num_params(bias):
-    V, T, L, C = 65, 16, 2, 32
-    model = GPT(tiny_config(bias=bias))
+@pytest.mark.parametrize("bias, mlp_ratio", [(True, 4), (False, 4), (True, 3)])
+def test_get_num_params(bias, mlp_ratio):
+    V, T, L, C, H = 65, 16, 2, 32, mlp_ratio * 32  # H: the MLP's hidden width
+    model = GPT(tiny_config(bias=bias, mlp_ratio=mlp_ratio))
     ln = 2 * C if bias else C  # LayerNorm gain (and bias)
-    per_block = (2 * ln + C * 3 * C + C * C + C * 4 * C + 4 * C * C
-                 + (3 * C + C + 4 * C + C if bias else 0))
+    per_block = (2 * ln + C * 3 * C + C * C + C * H + H * C
+                 + (3 * C + C + H + C if bias else 0))
     total = V * C + T * C + L * per_block + ln  # embeddings, blocks, ln_f; lm_head is tok_emb
     assert model.get_num_params(non_embedding=False) == total
     assert model.get_num_params() == total - T * C  # without the position embedding
@@ -203,3 +203,5 @@ def test_config_errors_name_the_field():
         GPT(tiny_config(n_embd=30, n_head=4))
     with pytest.raises(ValueError, match="vocab_size must be a positive integer, got 0"):
         GPT(tiny_config(vocab_size=0))
+    with pytest.raises(ValueError, match="mlp_ratio must be a positive integer, got 0"):
+        GPT(tiny_config(mlp_ratio=0))
