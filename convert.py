@@ -194,7 +194,8 @@ def config_from_hf(hf, source, dropout=0.0):
     if act not in _HF_GELU:
         refuse(f"activation_function is {act!r} (supported: {', '.join(_HF_GELU)})")
     n_embd = hf.get("n_embd", 768)
-    n_inner = hf.get("n_inner") or 4 * n_embd  # None: GPT-2's 4 * n_embd
+    n_inner = hf.get("n_inner")
+    n_inner = 4 * n_embd if n_inner is None else n_inner  # None: GPT-2's 4 * n_embd
     if n_inner % n_embd:
         refuse(f"the MLP is {n_inner} wide, not a multiple of n_embd = {n_embd}")
     if hf.get("layer_norm_epsilon", 1e-5) != 1e-5:

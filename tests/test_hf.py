@@ -105,6 +105,7 @@ def test_gpt2_name_loads_from_the_local_hub_cache(tmp_path, hf_dir, monkeypatch)
     ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ({"scale_attn_weights": False}, "scale_attn_weights"),
     ({"n_inner": 48}, "48 wide, not a multiple of n_embd = 32"),
+    ({"n_inner": 0}, "mlp_ratio must be a positive integer, got 0"),
     ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon"),
     ({"add_cross_attention": True}, "add_cross_attention"),
     ({"model_type": "llama"}, "model_type is 'llama'"),
