@@ -97,7 +97,9 @@ class Checkpoint:
     def check_resume(self, cfg, data_meta):
         """Refuse to resume with other model settings or on data with other tokens."""
         mc = self.model_config
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "bias", "qk_norm", "mlp_ratio"):
+        # every model setting must match, except dropout (free to change), vocab_size (checked below) and gelu
+        # (a GPT-2 finetune's config leaves it at its default; its weights decide it)
+        for name in [f.name for f in fields(GPTConfig) if f.name not in ("dropout", "vocab_size", "gelu")]:
             if getattr(mc, name) != getattr(cfg, name):
                 raise UserError(f"{self.path} has {name}={getattr(mc, name)} but the config asks for "
                                 f"{getattr(cfg, name)}; resume with the same model settings or start from scratch")
