@@ -3,9 +3,14 @@
 import contextlib
 import io
 import os
+import queue
 import random
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -44,14 +49,119 @@ def run(script, *args, cwd=ROOT, timeout=300, env=None, check=False):
     return proc
 
 
+def descendants(pid):
+    """The pids of every process that pid started, and they started, ... (read from /proc)."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # (the command name may hold spaces)
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc):
+    """SIGKILL proc (a Popen) and every process it started, found before any dies (torchrun's workers run in
+    sessions of their own and are handed to init when torchrun dies: a process group would miss them). Once
+    proc has been waited for, its pid may belong to another process: then nothing is killed."""
+    if proc.poll() is not None:
+        return
+    for pid in [proc.pid] + descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def spawn():
+    """spawn(argv, **popen_kwargs) -> Popen: a process that the test's end kills with all it started, however
+    the test ends (a failed assertion, a timeout), so no test leaves a process behind."""
+    started = []
+
+    def start(argv, **kwargs):
+        started.append(subprocess.Popen(argv, **kwargs))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        kill_tree(proc)
+
+
+def read_lines(proc):
+    """Threads move proc's stdout lines into proc.lines (None at the end) and its stderr into proc.err, so that
+    no read of a Popen made with text pipes can block past a timeout (wait_for_line, finish). Returns proc."""
+    proc.lines, proc.err = queue.Queue(), []
+    threading.Thread(target=lambda: [proc.lines.put(line) for line in proc.stdout] + [proc.lines.put(None)],
+                     daemon=True).start()
+    threading.Thread(target=lambda: proc.err.extend(proc.stderr or ()), daemon=True).start()
+    return proc
+
+
+def finish(proc, timeout=120):
+    """Wait for proc (read_lines) to end, killing it and what it started after timeout seconds; return (stdout
+    not read yet, stderr)."""
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        kill_tree(proc)
+    lines = []
+    while (line := proc.lines.get(timeout=10)) is not None:
+        lines.append(line)
+    time.sleep(0.1)  # the stderr thread sees the end of the pipe
+    return "".join(lines), "".join(proc.err)
+
+
+def wait_for_line(proc, pattern, timeout=120):
+    """Read proc's stdout (read_lines) until a line matches pattern, for at most timeout seconds; return
+    everything read. Kills proc and what it started if none comes."""
+    seen, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        try:
+            line = proc.lines.get(timeout=max(0.0, deadline - time.time()))
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
+        if re.search(pattern, line):
+            return "".join(seen)
+    kill_tree(proc)
+    raise AssertionError(f"no line matching {pattern!r}; got:\n{''.join(seen)}\n{''.join(proc.err)}")
+
+
 def tiny_train_args(data_dir, out_dir, **overrides):
-    """Arguments for a training run of a few seconds on the CPU."""
-    args = dict(dataset="tiny", data_dir=data_dir, out_dir=out_dir, device="cpu", compile=False,
+    """Arguments for a training run of a few seconds on the CPU. The dtype is float32 unless a test says
+    otherwise: dtype=auto is bfloat16 on some CPUs and float32 on others, and tests compare runs (the
+    choice itself is tested under both answers: the cpu_bf16 fixture)."""
+    args = dict(dataset="tiny", data_dir=data_dir, out_dir=out_dir, device="cpu", dtype="float32", compile=False,
                 n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, gradient_accumulation_steps=1,
                 max_iters=20, eval_interval=10, eval_iters=2, log_interval=1, warmup_iters=2,
                 lr_decay_iters=20, learning_rate=1e-3, dropout=0.0)
     args.update(overrides)
     return [f"--{k}={v}" for k, v in args.items()]
+
+
+@pytest.fixture(params=[False, True], ids=["cpu_emulates_bf16", "cpu_computes_bf16"])
+def cpu_bf16(request, monkeypatch):
+    """Each answer of hardware.cpu_native("bfloat16") in turn, whatever this CPU is: tests of what
+    dtype=auto does on the CPU run under both, so the suite checks both CPU kinds on either kind.
+    Returns the dtype auto must then pick (bfloat16 only where the CPU computes it natively)."""
+    import torch
+
+    import hardware
+
+    real = hardware.cpu_native
+    monkeypatch.setattr(hardware, "cpu_native", lambda dtype: request.param if dtype == "bfloat16" else real(dtype))
+    return torch.bfloat16 if request.param else torch.float32
 
 
 @pytest.fixture
@@ -108,8 +218,8 @@ def perturb(model, seed):
 
 
 def hf_model(seed=0, **overrides):
-    """A tiny random, perturbed GPT2LMHeadModel of `transformers` (a test-only dependency; the tests that use
-    it skip without it) with GPT-2's vocabulary, in eval mode."""
+    """A tiny random, perturbed GPT2LMHeadModel of `transformers` (pinned in requirements-dev.txt) with GPT-2's
+    vocabulary, in eval mode."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
