@@ -154,21 +154,28 @@ def _orthogonalize(update, ns_steps):
     return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
 
 
-def newton_schulz(g, steps=5, eps=1e-7):
+def working_dtype(g):
+    """Newton-Schulz's dtype for g: bfloat16 on CUDA, as Muon's authors run it; elsewhere float32 (CPUs
+    without native bf16, AVX2, emulate it many times slower), or float64 for a float64 gradient (never
+    narrower than what it is given)."""
+    return torch.bfloat16 if g.is_cuda else torch.promote_types(g.dtype, torch.float32)
+
+
+def newton_schulz(g, steps=5, eps=1e-7, dtype=None):
     """About U V^T for G = U S V^T (singular values pushed near 1): X <- aX + (bA + cA^2)X with A = XX^T,
     for the first `steps` of POLAR_EXPRESS's coefficients, from X = G / (1.02 |G|) (the Frobenius norm is
     at least the spectral norm, so singular values start below 1, with 2 % to spare for rounding). In
-    bfloat16 on CUDA, as Muon's authors do; in float32 elsewhere: CPUs without native bf16 (AVX2) emulate
-    it, many times slower."""
+    dtype, by default working_dtype(g) (bfloat16 on CUDA); the result in g's dtype."""
     if not 1 <= steps <= len(POLAR_EXPRESS):
         raise ValueError(f"Newton-Schulz steps must be 1 to {len(POLAR_EXPRESS)}, got {steps}")
     coefficients = POLAR_EXPRESS[:steps]
-    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
+    dtype = dtype or working_dtype(g)
+    x = g.to(dtype)
     tall = g.size(0) > g.size(1)
     if tall:  # work on the wide orientation: A is then the smaller Gram matrix
         x = x.T
     x = x / (x.norm() * 1.02).clamp(min=eps)
-    if not x.is_cuda and x.size(0) < x.size(1):
+    if dtype != torch.bfloat16 and x.size(0) < x.size(1):  # (bfloat16, as on CUDA: the plain iteration)
         x = _newton_schulz_small(x, coefficients)
     else:
         for a, b, c in coefficients:
@@ -184,7 +191,7 @@ def _newton_schulz_small(x, coefficients):
     iterate is X_k = Q_k X_0: Q_0 = I, Q_k+1 = (aI + bA_k + cA_k^2) Q_k, and A_k = X_k X_k^T = Q_k G Q_k^T
     with G = X_0 X_0^T. So X_0 is multiplied twice (G, and Q X_0 at the end) instead of twice per step:
     for the speedrun's 128 x 512 matrices a third fewer FLOPs (BENCHMARKS.md), the same matrix up to
-    float32 rounding. (On CUDA, in bfloat16, the plain iteration stays: it is what Muon is run with there.)"""
+    float32 rounding. (In bfloat16, as on CUDA, the plain iteration stays: it is what Muon is run with there.)"""
     gram = x @ x.T
     q = None
     for a, b, c in coefficients:

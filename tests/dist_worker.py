@@ -16,6 +16,8 @@ Settings (under torchrun through the environment, which torchrun passes on to ev
                   number of processes sees the same global batches as a single-process run
   FAIL_RANK, FAIL_ITER   that rank raises a UserError when it fetches a batch at iteration FAIL_ITER
   SIGTERM_RANK, SIGTERM_ITER   that rank sends itself a SIGTERM when it fetches a batch at iteration SIGTERM_ITER
+  FLOAT64         "1": the model is built in float64 (torch's default dtype), so that runs compare up to
+                  float64 rounding only (with dtype=float32 nothing is autocast)
 """
 
 import hashlib
@@ -39,6 +41,7 @@ from errors import UserError, run_main  # noqa: E402
 @dataclass
 class Instruments:
     shared: bool = False
+    float64: bool = False
     fail_rank: int = -1
     fail_iter: int = 0
     sigterm_rank: int = -1
@@ -136,10 +139,14 @@ def instrumented_run(argv, instruments):
 
     train.Trainer, torch.nn.utils.clip_grad_norm_, fsdp_param_group.foreach_reduce = \
         trainer_class, clip_grad_norm_, foreach_reduce
+    default_dtype = torch.get_default_dtype()
+    if instruments.float64:
+        torch.set_default_dtype(torch.float64)
     try:
         train.main(argv)
     finally:
         train.Trainer, torch.nn.utils.clip_grad_norm_, fsdp_param_group.foreach_reduce = real
+        torch.set_default_dtype(default_dtype)
     return instruments
 
 
@@ -160,7 +167,8 @@ def main():
     sys.addaudithook(audit)
     env = {k: int(os.environ.get(k.upper(), default)) for k, default in
            (("fail_rank", -1), ("fail_iter", 0), ("sigterm_rank", -1), ("sigterm_iter", 0))}
-    instruments = Instruments(shared=os.environ.get("SHARED_BATCHES") == "1", **env)
+    instruments = Instruments(shared=os.environ.get("SHARED_BATCHES") == "1", float64=os.environ.get("FLOAT64") == "1",
+                              **env)
     run_main(lambda: instrumented_run(sys.argv[1:], instruments))
     (report_dir / f"rank{rank}.json").write_text(json.dumps(dict(instruments.report(), writes=writes)))
 

@@ -24,23 +24,34 @@ from dist_worker import Instruments, instrumented_run
 from errors import UserError
 
 WORKER = "tests/dist_worker.py"
-TOL = 1e-6  # 2 processes sum the same gradients in another order than 1 process: float rounding only
-# Muon's Newton-Schulz maps a singular value s of the normalised update to about 3.4445^5 s (~487 s) when s is
-# small, so it amplifies that rounding in the weakest directions of each update (measured: 8e-6 after 2 steps)
-MUON_TOL = 1e-4
+# Every run here computes in float64 (weights and activations: FLOAT64=1, dtype=float32 so no autocast), since
+# the point is the algorithm, not the rounding, and float64 rounds alike on every CPU (no bfloat16 choice).
+# 2 processes then differ from 1 only by adding the same gradients in another order: a relative change of a few
+# units of 2^-53 (~1e-15). An update moves it at most: AdamW's step g / (sqrt(v) + eps) by lr (1e-2) times that
+# relative change; Muon's Newton-Schulz multiplies a perturbation of the normalised update by at most the
+# product of its steps' linear coefficients (Polar Express: ~988, in the weakest directions), times muon_lr
+# (0.02) and its shape scale (<= 2); a few steps of such drift stay below 1e-10. A real fault (a micro-batch
+# trained twice or on the wrong rank, a gradient not averaged, a wrong shard) moves weights by ~lr = 1e-2.
+TOL = 1e-9
 
 
 def train_args(data_dir, out_dir, **overrides):
     """4 global micro-batches per step (2 per rank), clipping active, lr high enough for visible steps."""
     settings = dict(gradient_accumulation_steps=4, learning_rate=1e-2, grad_clip=0.5, eval_interval=1000,
-                    lr_decay_iters=20, ckpt_interval=0)
+                    lr_decay_iters=20, ckpt_interval=0, dtype="float32")  # (float32: no autocast; see TOL)
     settings.update(overrides)
     return tiny_train_args(data_dir, out_dir, **settings)
 
 
 def worker_env(report_dir, **extra):
     # one thread per process, like torchrun: the machine's cores are shared by the test runs
-    return {"REPORT_DIR": str(report_dir), "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in extra.items()}}
+    return {"REPORT_DIR": str(report_dir), "OMP_NUM_THREADS": "1", "FLOAT64": "1",
+            **{k: str(v) for k, v in extra.items()}}
+
+
+def torchrun_argv(script, args, nproc=2):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
+            *map(str, args)]
 
 
 def torchrun(args, report_dir, nproc=2, timeout=300, **env):
@@ -83,7 +94,7 @@ def single(data_dir, tmp_path_factory):
             out = tmp_path_factory.mktemp(f"single{max_iters}") / "out"
             args = [str(a) for a in train_args(data_dir, out, max_iters=max_iters, dataset=dataset,
                                                optimizer=optimizer)]
-            instruments = Instruments(shared=True)
+            instruments = Instruments(shared=True, float64=True)
             run_in_process(lambda argv: instrumented_run(argv, instruments), *args, check=True)
             done[max_iters, dataset, optimizer] = ckpt(out), instruments.report()
         return done[max_iters, dataset, optimizer]
@@ -148,7 +159,7 @@ def test_llm_c_shards_on_2_ranks_with_muon_equal_one_process_under_ddp_and_resum
     assert not set(ranks[0]) & set(ranks[1])  # every rank trains on other windows
     ref_ckpt, ref = single(2, dataset, "muon")
     assert ranks[0][:2] + ranks[1][:2] == ref["batches"][:4]  # the one-process run's global batch, split
-    assert max_weight_diff(ckpt(out), ref_ckpt) < MUON_TOL
+    assert max_weight_diff(ckpt(out), ref_ckpt) < TOL
     assert max_weight_diff(ckpt(out), single(2, dataset)[0]) > 1e-2  # Muon's steps are not AdamW's
 
     proc = ok(torchrun(args(max_iters=4, parallel="fsdp", init_from="resume"), tmp_path / "r2", SHARED_BATCHES=1))
@@ -158,7 +169,7 @@ def test_llm_c_shards_on_2_ranks_with_muon_equal_one_process_under_ddp_and_resum
     assert report(tmp_path / "r2", 1)["exchanges"] == {"2": 3, "3": 3}
     muon_state = ckpt(out)["optimizer"]["state"]["blocks.0.attn.qkv.weight"]
     assert set(muon_state) == {"momentum_buffer", "step"} and muon_state["step"].item() == 4
-    assert max_weight_diff(ckpt(out), single(4, dataset, "muon")[0]) < MUON_TOL  # the uninterrupted run's
+    assert max_weight_diff(ckpt(out), single(4, dataset, "muon")[0]) < TOL  # the uninterrupted run's
 
 
 def test_fsdp_step_equals_single_process_and_its_checkpoint_samples_in_one_process(tmp_path, data_dir, single):

@@ -12,21 +12,20 @@ import shutil
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-from transformers import GPT2LMHeadModel  # noqa: E402
+from transformers import GPT2LMHeadModel
 
-import checkpoint  # noqa: E402
-import convert  # noqa: E402
-import export  # noqa: E402
-import sample  # noqa: E402
-import train  # noqa: E402
-from configurator import parse  # noqa: E402
-from conftest import ROOT, assert_one_error_line, hf_model, perturb, run_in_process  # noqa: E402
-from conftest import train as train_in_process  # noqa: E402
-from errors import UserError  # noqa: E402
-from meta import DatasetMeta  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from tokenizer import GPT2Tokenizer  # noqa: E402
+import checkpoint
+import convert
+import export
+import sample
+import train
+from configurator import parse
+from conftest import ROOT, assert_one_error_line, hf_model, perturb, run_in_process
+from conftest import train as train_in_process
+from errors import UserError
+from meta import DatasetMeta
+from model import GPT, GPTConfig
+from tokenizer import GPT2Tokenizer
 
 VOCAB = 50257
 TOL = 1e-4  # fp32; the two implementations differ in summation order (and tanh-GELU formula) only
@@ -260,13 +259,15 @@ def test_export_refuses_what_gpt2_cannot_express_and_overwrites_nothing(tmp_path
 # ---------------------------------------------------------------------- sample.py and train.py
 
 
-def test_sample_init_from_hf_directory_uses_gpt2_bpe(hf_dir):
+def test_sample_init_from_hf_directory_uses_gpt2_bpe(hf_dir, cpu_bf16):
     path, _ = hf_dir
     prompt, n = "The king said", 12
     tok = GPT2Tokenizer()
     model = convert.load_hf(str(path)).eval()
     ids = torch.tensor([tok.encode(prompt)])
-    out = model.generate(ids, n, temperature=0, stop_tokens=[tok.eot_token])[0, ids.size(1):].tolist()
+    # in the precision sample.py's dtype=auto picks on this kind of CPU (both kinds in turn: cpu_bf16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_bf16 == torch.bfloat16):
+        out = model.generate(ids, n, temperature=0, stop_tokens=[tok.eot_token])[0, ids.size(1):].tolist()
     if tok.eot_token in out:
         out = out[:out.index(tok.eot_token)]
     expected = prompt + tok.decode(out)
@@ -276,9 +277,9 @@ def test_sample_init_from_hf_directory_uses_gpt2_bpe(hf_dir):
 
 
 def finetune_args(hf_path, data_dir, out_dir, **overrides):
-    args = dict(init_from=hf_path, data_dir=data_dir, out_dir=out_dir, device="cpu", compile=False, block_size=32,
-                batch_size=2, gradient_accumulation_steps=1, max_iters=4, eval_interval=2, eval_iters=2,
-                log_interval=1)
+    args = dict(init_from=hf_path, data_dir=data_dir, out_dir=out_dir, device="cpu", dtype="float32", compile=False,
+                block_size=32, batch_size=2, gradient_accumulation_steps=1, max_iters=4, eval_interval=2,
+                eval_iters=2, log_interval=1)
     args.update(overrides)
     return [str(ROOT / "config" / "finetune_shakespeare.py")] + [f"--{k}={v}" for k, v in args.items()]
 

@@ -55,7 +55,9 @@ def split_samples(stdout):
     return [text[:-1] for text in stdout.split(SEPARATOR)[:-1]]  # print() added one newline to each
 
 
-def test_streamed_output_equals_the_batch_output_and_generate(char_ckpt):
+def test_streamed_output_equals_the_batch_output_and_generate(char_ckpt, cpu_bf16):
+    # sample.py's default dtype=auto: bfloat16 autocast on a CPU that computes it natively, else float32
+    # (both answers in turn, cpu_bf16); the reference runs model.generate in that precision
     common = ["--start=ROMEO:", "--max_new_tokens=60", "--temperature=0.9", "--top_k=20", "--seed=5"]
     streamed = sample_stdout(char_ckpt, *common, "--num_samples=3", "--stream=True")
     at_end = sample_stdout(char_ckpt, *common, "--num_samples=3", "--stream=False")
@@ -67,8 +69,9 @@ def test_streamed_output_equals_the_batch_output_and_generate(char_ckpt):
     ckpt = checkpoint.load(str(char_ckpt))
     model, tokenizer = ckpt.build_model().eval(), ckpt.meta.make_tokenizer()
     assert isinstance(tokenizer, CharTokenizer)
-    out = model.generate(torch.tensor([tokenizer.encode("ROMEO:")]), 60, temperature=0.9, top_k=20,
-                         generator=torch.Generator().manual_seed(5))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_bf16 == torch.bfloat16):
+        out = model.generate(torch.tensor([tokenizer.encode("ROMEO:")]), 60, temperature=0.9, top_k=20,
+                             generator=torch.Generator().manual_seed(5))
     assert streamed == tokenizer.decode(out[0].tolist()) + "\n" + SEPARATOR
 
 
