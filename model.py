@@ -7,16 +7,20 @@ It follows GPT-2 (pre-LayerNorm blocks, learned position embedding, tied
 input/output embedding, GELU MLP 4x wide: `mlp_ratio`), with one option GPT-2
 lacks (`qk_norm`, used by the speedruns), and keeps nanoGPT's API:
 `GPT(GPTConfig(...))`, `model(idx, targets) -> (logits, loss)`,
-`model.generate(...)`, `estimate_mfu(...)` (the optimizer: optimizers.py).
-(GPT-2's published weights load through convert.py, which knows their layout;
-this file imports nothing else of the project.)
+`model.generate(...)`, `estimate_mfu(...)`, `GPT.from_pretrained("gpt2")` (GPT-2's
+published weights, read at the end of this file; the optimizer: optimizers.py).
+This file imports nothing else of the project.
 
 Generation uses a KV cache (`KVCache`): one pass over the prompt, then one
 position per new token. The cached path gives the same tokens as re-running
 the whole context, including past block_size (see `GPT.next_logits`).
 """
 
+import glob
+import json
 import math
+import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -233,6 +237,28 @@ class GPT(nn.Module):
             loss = None
         return logits, loss
 
+    @classmethod
+    def from_pretrained(cls, name_or_path, dropout=0.0):
+        """GPT-2's weights, as nanoGPT's GPT.from_pretrained("gpt2"): gpt2, gpt2-medium, gpt2-large or gpt2-xl
+        from the local Hugging Face cache, or the path of a Hugging Face GPT-2 directory (the end of this file
+        reads them). ValueError names what is wrong with the name, the directory or its files."""
+        directory = find_gpt2(name_or_path)
+        model = cls(gpt2_config(read_gpt2_config(directory), directory, dropout))
+        model.load_weights(from_gpt2_layout(read_gpt2_weights(directory), conv1d=True, source=directory))
+        return model
+
+    def load_weights(self, state):
+        """Copy in a state dict in our layout (torch.compile's `_orig_mod.` prefixes and the tied lm_head may be
+        there or not); ValueError when it does not fit this model."""
+        try:
+            missing, unexpected = self.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state.items()},
+                                                       strict=False)
+        except RuntimeError as e:
+            raise ValueError(f"the weights do not fit the model: {_first_line(e)}") from None
+        missing = [k for k in missing if k != "lm_head.weight"]  # tied to tok_emb.weight
+        if missing or unexpected:
+            raise ValueError(f"the weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
     def crop_block_size(self, block_size):
         """Shrink the context, e.g. to finetune GPT-2 (block 1024) with a smaller block_size."""
         assert 0 < block_size <= self.config.block_size
@@ -355,3 +381,184 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
         return logits.argmax(dim=-1)
     probs = F.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+# ---------------------------------------------------------------------- GPT-2's published weights
+#
+# GPT.from_pretrained reads a Hugging Face GPT-2 checkpoint (config.json and model.safetensors or
+# pytorch_model.bin, possibly sharded), with no `transformers` and no download: OpenAI's gpt2 ... gpt2-xl
+# from the local Hugging Face cache, or any directory. GPT-2's layout differs from ours in names only, and
+# Hugging Face stores a block's four matrices as Conv1D, (in, out): the transpose of nn.Linear's (out, in).
+# (convert.py uses the same names for nanoGPT's checkpoints, which have no Conv1D, and to export ours.)
+
+GPT2_SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+GPT2_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                     "pytorch_model.bin.index.json")
+GPT2_NAMES = {"transformer.wte": "tok_emb", "transformer.wpe": "pos_emb", "transformer.ln_f": "ln_f",
+              "lm_head": "lm_head", "ln_1": "ln1", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
+              "ln_2": "ln2", "mlp.c_fc": "ffwd.fc", "mlp.c_proj": "ffwd.proj"}  # (inside transformer.h.N)
+# Hugging Face's activation names: the tanh approximation under several names, or the exact GELU
+GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_python_tanh": "tanh", "gelu_fast": "tanh",
+             "gelu": "none", "gelu_python": "none"}
+
+
+def gpt2_config(hf, source, dropout=0.0):
+    """The GPTConfig of a Hugging Face GPT-2 config.json (a dict); ValueError for what this GPT computes otherwise."""
+    def refuse(why):
+        raise ValueError(f"{source}: {why}, which this GPT cannot compute; only GPT-2's architecture loads")
+
+    if hf.get("model_type") != "gpt2":
+        refuse(f"model_type is {hf.get('model_type')!r}, not 'gpt2'")
+    act = hf.get("activation_function", "gelu_new")
+    if act not in GPT2_GELU:
+        refuse(f"activation_function is {act!r} (supported: {', '.join(GPT2_GELU)})")
+    n_embd, n_inner = hf.get("n_embd", 768), hf.get("n_inner")
+    n_inner = 4 * n_embd if n_inner is None else n_inner  # None: GPT-2's 4 * n_embd
+    if n_inner % n_embd:
+        refuse(f"the MLP is {n_inner} wide, not a multiple of n_embd = {n_embd}")
+    if hf.get("layer_norm_epsilon", 1e-5) != 1e-5:
+        refuse(f"layer_norm_epsilon is {hf['layer_norm_epsilon']} instead of 1e-5")
+    if not hf.get("scale_attn_weights", True):
+        refuse("scale_attn_weights is false (attention without the 1/sqrt(head size) scale)")
+    if hf.get("scale_attn_by_inverse_layer_idx", False):
+        refuse("scale_attn_by_inverse_layer_idx is true (attention scaled down by the layer number)")
+    if hf.get("add_cross_attention", False):
+        refuse("add_cross_attention is true (an encoder-decoder model)")
+    # reorder_and_upcast_attn only changes the precision of the attention scores, not the maths: accepted
+    config = GPTConfig(block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
+                       n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd,
+                       dropout=dropout, bias=True, gelu=GPT2_GELU[act], mlp_ratio=n_inner // n_embd)
+    try:
+        config.validate()
+    except ValueError as e:
+        refuse(str(e))
+    return config
+
+
+def from_gpt2_layout(state, conv1d, source):
+    """Our state dict from a Hugging Face (conv1d=True) or nanoGPT (conv1d=False) one. Accepts torch.compile's
+    `_orig_mod.` prefixes and keys without `transformer.` (GPT2Model's files, like OpenAI's first gpt2 upload);
+    skips the causal-mask buffers older code saved; refuses other unknown weights and an untied output layer."""
+    out, unknown = {}, []
+    for key, tensor in state.items():
+        key = key.removeprefix("_orig_mod.")
+        if re.search(r"(^|\.)h\.\d+\.attn\.(masked_)?bias$", key):
+            continue  # a mask, not a weight
+        key = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
+        module, _, param = key.rpartition(".")
+        block = re.fullmatch(r"transformer\.h\.(\d+)\.(.+)", module)
+        if module in GPT2_NAMES and "." not in GPT2_NAMES[module]:
+            ours = f"{GPT2_NAMES[module]}.{param}"
+        elif block and block[2] in GPT2_NAMES:
+            ours = f"blocks.{block[1]}.{GPT2_NAMES[block[2]]}.{param}"
+        else:
+            unknown.append(key)
+            continue
+        # every matrix inside a block is a Conv1D in Hugging Face's GPT-2 (LayerNorm gains are vectors)
+        out[ours] = tensor.t() if conv1d and block and tensor.dim() == 2 else tensor
+    if unknown:
+        raise ValueError(f"{source} has weights that GPT-2 does not have ({', '.join(unknown[:3])}); "
+                         f"it is not a plain GPT-2 model")
+    head = out.pop("lm_head.weight", None)
+    if head is not None and not torch.equal(head, out.get("tok_emb.weight", head)):
+        raise ValueError(f"{source} has an output layer (lm_head) different from its token embedding; "
+                         f"this GPT ties the two and cannot load it")
+    return out
+
+
+def find_gpt2(name_or_path):
+    """The directory of a Hugging Face GPT-2 checkpoint: a GPT-2 size from the local cache, or a path."""
+    if name_or_path in GPT2_SIZES:
+        snap = _cached_snapshot(name_or_path)
+        if snap is None:
+            raise ValueError(f"{name_or_path} is not in the local Hugging Face cache ({', '.join(hub_caches())}); "
+                             f"fetch it once (hf download openai-community/{name_or_path} config.json "
+                             f"model.safetensors) or give the path of a directory holding them")
+        return snap
+    if os.path.isdir(name_or_path):
+        if not os.path.isfile(os.path.join(name_or_path, "config.json")):
+            ours = any(os.path.isfile(os.path.join(name_or_path, f)) for f in ("ckpt.pt", "best.pt"))
+            hint = "; it holds a training checkpoint: sample it with --out_dir, resume it with init_from=resume" \
+                if ours else ""
+            raise ValueError(f"{name_or_path} has no config.json, so it is not a Hugging Face GPT-2 checkpoint{hint}")
+        return name_or_path
+    if os.path.exists(name_or_path):
+        raise ValueError(f"{name_or_path} is a file; give the directory holding config.json and model.safetensors")
+    raise ValueError(f"{name_or_path!r} is neither a GPT-2 size ({', '.join(GPT2_SIZES)}) nor an existing "
+                     f"directory with a Hugging Face GPT-2 checkpoint")
+
+
+def hub_caches():
+    """The Hugging Face cache directories to look in, as huggingface_hub resolves them."""
+    env = os.environ
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                              "huggingface")
+    dirs = [env.get("HF_HUB_CACHE"), env.get("HUGGINGFACE_HUB_CACHE"), os.path.join(home, "hub")]
+    return [d for i, d in enumerate(dirs) if d and d not in dirs[:i]]
+
+
+def _cached_snapshot(name):
+    """The cached snapshot of gpt2* (refs/main first, then the newest) holding config.json and weights."""
+    for cache in hub_caches():
+        for repo in (f"models--{name}", f"models--openai-community--{name}"):
+            root = os.path.join(cache, repo)
+            snapshots = sorted(glob.glob(os.path.join(root, "snapshots", "*")), key=os.path.getmtime, reverse=True)
+            ref = os.path.join(root, "refs", "main")
+            if os.path.isfile(ref):
+                with open(ref) as f:
+                    snapshots.insert(0, os.path.join(root, "snapshots", f.read().strip()))
+            for snap in snapshots:
+                if os.path.isfile(os.path.join(snap, "config.json")) and \
+                        any(os.path.isfile(os.path.join(snap, w)) for w in GPT2_WEIGHT_FILES):
+                    return snap
+    return None
+
+
+def _first_line(e):
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else type(e).__name__
+
+
+def read_gpt2_config(directory):
+    """The dict of a Hugging Face directory's config.json."""
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return hf
+
+
+def read_gpt2_weights(directory):
+    """All tensors of a Hugging Face checkpoint directory (one file, or the shards an index lists)."""
+    path = next((os.path.join(directory, name) for name in GPT2_WEIGHT_FILES
+                 if os.path.isfile(os.path.join(directory, name))), None)
+    if path is None:
+        raise ValueError(f"{directory} has no weights ({' or '.join(GPT2_WEIGHT_FILES[::2])})")
+    if not path.endswith(".index.json"):
+        return _read_tensors(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"{path} is not an index with a weight_map") from None
+    return {k: v for shard in shards for k, v in _read_tensors(os.path.join(directory, shard)).items()}
+
+
+def _read_tensors(path):
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only: no code runs
+    except Exception as e:  # a damaged file fails in many ways inside either reader
+        kind = "safetensors" if path.endswith(".safetensors") else "PyTorch weights"
+        raise ValueError(f"{path} is not a readable {kind} file ({_first_line(e)})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} does not hold a dict of weights")
+    return state

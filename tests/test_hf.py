@@ -65,6 +65,24 @@ def test_load_hf_safetensors_matches_transformers(hf_dir):
     torch.testing.assert_close(our_logits(ours, idx), expected, atol=TOL, rtol=0)
 
 
+def test_gpt_from_pretrained_as_nanogpt_users_call_it(tmp_path, hf_dir, monkeypatch):
+    """nanoGPT's API, `from model import GPT; GPT.from_pretrained(...)`, with a Hugging Face directory's path or
+    a GPT-2 size (here from a local hub cache): transformers' logits. (model.py imports nothing of ours:
+    tests/test_layout.py.)"""
+    from model import GPT
+
+    path, hf = hf_dir
+    idx = tokens(7)
+    model = GPT.from_pretrained(str(path))
+    torch.testing.assert_close(our_logits(model, idx), hf_logits(hf, idx), atol=TOL, rtol=0)
+
+    copy_dir(path, tmp_path / "hub" / "models--openai-community--gpt2" / "snapshots" / "0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    torch.testing.assert_close(our_logits(GPT.from_pretrained("gpt2"), idx), hf_logits(hf, idx), atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="gpt2-xl is not in the local Hugging Face cache"):
+        GPT.from_pretrained("gpt2-xl")
+
+
 def test_load_hf_pytorch_model_bin_in_openai_layout(tmp_path, hf_dir):
     """pytorch_model.bin as in OpenAI's original gpt2 upload: GPT2Model keys (no `transformer.`),
     causal-mask buffers, no lm_head. transformers 5 no longer writes .bin files, so write it here."""
