@@ -29,7 +29,7 @@ import torch
 import convert
 import meta
 from configurator import setting
-from fileio import atomic_write, remove_stale_temps
+from fileio import atomic_write
 from errors import UserError
 from model import GPT, GPTConfig
 from safe_pickle import torch_load
@@ -201,23 +201,6 @@ def save(state, path):
     except OSError as e:  # a full disk, a quota, a vanished directory: the old checkpoint is still whole
         raise UserError(f"cannot write checkpoint {path} ({e.strerror or e}); the previous one is intact; "
                         f"free some space (or fix --out_dir) and resume with --init_from=resume") from None
-
-
-def prepare_out_dir(out_dir, writes):
-    """Check that out_dir can take checkpoints; the process that writes them (writes=True) creates it
-    and removes the temporary files a process killed while saving left there."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UserError(f"out_dir {out_dir} is a file; pick a directory with --out_dir")
-    if not writes:
-        return
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        with atomic_write(os.path.join(out_dir, ".write_test")):
-            pass
-        os.remove(os.path.join(out_dir, ".write_test"))
-        remove_stale_temps(out_dir, (LATEST, BEST))
-    except OSError as e:
-        raise UserError(f"out_dir {out_dir} is not writable ({e.strerror}); pick another --out_dir") from None
 
 
 # ---------------------------------------------------------------------- finding and loading

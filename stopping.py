@@ -2,8 +2,14 @@
 Stopping training cleanly: Ctrl-C or SIGTERM (a cluster's preemption, `kill`, torchrun passing
 one on) asks the loop to finish its step, save and exit 0. A second signal acts as usual, so
 Ctrl-C twice interrupts at once (the atomic save leaves the previous checkpoint whole).
+
+Under torchrun, the death of the launcher does the same. torchrun starts its workers in sessions
+of their own, so when its agent is killed with SIGKILL (which it cannot pass on) they would go on
+training, unseen, into the out_dir the next launch uses; a worker notices that its parent process
+is no longer the one that started it, and the job saves and stops.
 """
 
+import os
 import signal
 
 import torch
@@ -16,6 +22,7 @@ class StopFlag:
 
     def __init__(self):
         self.name = None
+        self.parent = os.getppid()  # under torchrun: its agent
         self.previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -34,6 +41,8 @@ class StopFlag:
             return self.name is not None
         if not ask_ranks:
             return False
+        if self.name is None and os.getppid() != self.parent:
+            self.name = "the death of its launcher"  # (this process was handed to another parent, e.g. init)
         flag = all_reduce(torch.tensor([1.0 if self.name else 0.0], device=device), op="max").item() > 0
         if flag and self.name is None:
             self.name = "a signal on another rank"

@@ -26,6 +26,7 @@ import checkpoint
 import configurator
 import convert
 import distributed
+import outdir
 from batches import BatchSampler, check_token_ids, dataset_dir, load_dataset, whole_split_batches
 from configurator import setting
 from errors import UserError, first_line, run_main
@@ -169,7 +170,6 @@ class Trainer:
         self.model_config = self.raw_model.config
         check_token_ids(self.meta, (self.train_data, self.val_data), self.model_config.vocab_size,
                         f"{data_dir}/meta.json")
-        checkpoint.prepare_out_dir(cfg.out_dir, writes=self.world.is_master)  # (nothing written before this)
         if self.world.distributed and cfg.parallel == "fsdp":
             distributed.shard(self.raw_model)
         self.optimizer = build_optimizer(self.raw_model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay,
@@ -188,6 +188,8 @@ class Trainer:
         if ckpt:
             self._restore(ckpt)
         self.model = self._wrap(self.raw_model)
+        # last, so that nothing after it can fail: out_dir is this run's until train() ends (or the process does)
+        self.out_dir_lock = outdir.claim(cfg.out_dir) if self.world.is_master else None  # nothing written before
 
     def train(self):
         """The loop: evaluate (and checkpoint) every eval_interval steps, one optimizer step per
@@ -240,6 +242,8 @@ class Trainer:
             stop.restore()
             if self.metrics:
                 self.metrics.close()
+            if self.out_dir_lock:
+                self.out_dir_lock.release()
 
     def _eval_due(self, local_iter):
         cfg = self.cfg

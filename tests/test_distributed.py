@@ -11,15 +11,18 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 import torch
 
 import distributed
-from conftest import ROOT, run_in_process, tiny_train_args
+import train
+from conftest import ROOT, descendants, kill_tree, read_lines, run_in_process, tiny_train_args, wait_for_line
 from dist_worker import Instruments, instrumented_run
 from errors import UserError
 
@@ -55,10 +58,16 @@ def torchrun_argv(script, args, nproc=2):
 
 
 def torchrun(args, report_dir, nproc=2, timeout=300, **env):
+    """tests/dist_worker.py under torchrun; the CompletedProcess. On a timeout (or any other way out) torchrun
+    and its workers, which run in sessions of their own, are killed: none is left training."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", **worker_env(report_dir, **env))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc_per_node={nproc}", WORKER, *args],
-                          cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(torchrun_argv(WORKER, args, nproc), cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        kill_tree(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def ok(proc):
@@ -205,7 +214,7 @@ def test_one_gradient_allreduce_per_step_distinct_batches_only_rank0_writes(tmp_
     ours = [p for p in ranks[0]["writes"] if p.startswith(str(tmp_path))]
     assert str(out / "ckpt.pt") in ours and str(out / "best.pt") in ours and str(out / "metrics.jsonl") in ours
     assert [p for p in ranks[1]["writes"] if p.startswith(str(tmp_path))] == []
-    assert sorted(os.listdir(out)) == ["best.pt", "ckpt.pt", "metrics.jsonl"]
+    assert sorted(os.listdir(out)) == ["best.pt", "ckpt.pt", "metrics.jsonl", "train.lock"]
 
 
 def test_failure_on_one_rank_ends_the_job(tmp_path, data_dir):
@@ -215,6 +224,42 @@ def test_failure_on_one_rank_ends_the_job(tmp_path, data_dir):
     assert proc.returncode != 0
     assert "error: simulated failure on rank 1 at iteration 2" in proc.stderr
     assert not (tmp_path / "report" / "rank0.json").exists()  # rank 0 did not finish training either
+
+
+def alive(pid):
+    """Is pid a process that has not ended (a zombie, ended but not yet reaped by its new parent, has)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigkill_to_torchrun_stops_its_workers_and_the_next_launch_resumes(tmp_path, data_dir, spawn):
+    """torchrun starts its workers in sessions of their own, so SIGKILL to its agent (which cannot pass it on)
+    used to leave them training into out_dir. They notice that their launcher died and stop as on SIGTERM."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    args = train_args(data_dir, out, max_iters=10**6, gradient_accumulation_steps=2)
+    agent = read_lines(spawn(torchrun_argv("train.py", args), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True))
+    wait_for_line(agent, r"^iter 3: loss")
+    workers = [pid for pid in descendants(agent.pid) if "train.py" in open(f"/proc/{pid}/cmdline").read()]
+    assert len(workers) == 2
+    os.kill(agent.pid, signal.SIGKILL)
+    deadline = time.time() + 60
+    while any(alive(pid) for pid in workers) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in workers), "workers still running a minute after their launcher died"
+    stopped = wait_for_line(agent, r"^stopped by ", timeout=10)  # (their output still comes through the pipe)
+    k = int(re.search(r"^stopped by the death of its launcher at iteration (\d+); checkpoint saved", stopped,
+                      re.M)[1])
+    assert ckpt(out)["iter_num"] == k
+    # the next launch (here in one process: a checkpoint resumes under any number) finds out_dir free
+    resumed = run_in_process(train.main, *train_args(data_dir, out, max_iters=k + 2, init_from="resume",
+                                                     gradient_accumulation_steps=2), check=True)
+    assert f"resuming from {out}/ckpt.pt at iteration {k}" in resumed.stdout
+    assert re.findall(r"^iter (\d+):", resumed.stdout, re.M) == [str(k + 1), str(k + 2)]
 
 
 def test_accumulation_must_divide_by_world_size():

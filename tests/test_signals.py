@@ -1,70 +1,37 @@
-"""Signals: SIGINT/SIGTERM save and exit 0; SIGKILL in the middle of a save leaves a loadable checkpoint."""
+"""Signals: SIGINT/SIGTERM save and exit 0; SIGKILL in the middle of a save leaves a loadable checkpoint; one
+run at a time in an out_dir."""
 
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
+
+import socket
 
 import pytest
 import torch
 
-from conftest import ROOT, tiny_train_args, train
+from conftest import (ROOT, assert_one_error_line, finish, kill_tree, read_lines, tiny_train_args, train,
+                      wait_for_line)
 from stopping import StopFlag
 
 
-def start(script, *args):
-    """Start a script; threads move its stdout lines into proc.lines and its stderr into proc.err, so
-    that no read can block past a timeout."""
+def start(spawn, script, *args):
+    """Start a script (through conftest's spawn: killed with what it started when the test ends, however it
+    ends), its output read by conftest's read_lines."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    proc.lines, proc.err = queue.Queue(), []
-    threading.Thread(target=lambda: [proc.lines.put(line) for line in proc.stdout] + [proc.lines.put(None)],
-                     daemon=True).start()
-    threading.Thread(target=lambda: proc.err.extend(proc.stderr), daemon=True).start()
-    return proc
-
-
-def finish(proc, timeout=120):
-    """Wait for proc to end (killing it after timeout seconds); return (stdout not read yet, stderr)."""
-    try:
-        proc.wait(timeout=timeout)
-    finally:
-        proc.kill()
-    lines = []
-    while (line := proc.lines.get(timeout=10)) is not None:
-        lines.append(line)
-    time.sleep(0.1)  # the stderr thread sees the end of the pipe
-    return "".join(lines), "".join(proc.err)
-
-
-def wait_for_line(proc, pattern, timeout=120):
-    """Read proc's stdout until a line matches pattern (at most timeout seconds); return everything read."""
-    seen, deadline = [], time.time() + timeout
-    while time.time() < deadline:
-        try:
-            line = proc.lines.get(timeout=max(0.0, deadline - time.time()))
-        except queue.Empty:
-            break
-        if line is None:
-            break
-        seen.append(line)
-        if re.search(pattern, line):
-            return "".join(seen)
-    proc.kill()
-    raise AssertionError(f"no line matching {pattern!r}; got:\n{''.join(seen)}\n{finish(proc)[1]}")
+    return read_lines(spawn([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
 
 
 def wait_for_file(path, proc, timeout=120):
     deadline = time.time() + timeout
     while not path.exists():
         if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
+            kill_tree(proc)
             raise AssertionError(f"{path} never appeared:\n{finish(proc)}")
         time.sleep(0.05)
 
@@ -74,14 +41,14 @@ def load(path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_and_resumes_at_the_right_iteration(tmp_path, char_data, sig):
+def test_signal_saves_and_resumes_at_the_right_iteration(tmp_path, char_data, sig, spawn):
     out = tmp_path / "out"
 
     def args(**kw):
         return tiny_train_args(char_data, out, eval_interval=10**9, ckpt_interval=0, warmup_iters=2,
                                lr_decay_iters=1000, dropout=0.1, **kw)
 
-    proc = start("train.py", *args(max_iters=10**6))
+    proc = start(spawn, "train.py", *args(max_iters=10**6))
     before = wait_for_line(proc, r"^iter 3: loss")
     proc.send_signal(sig)
     stdout, stderr = finish(proc)
@@ -123,13 +90,13 @@ def test_a_second_signal_acts_as_usual():
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_sigkill_while_saving_leaves_a_checkpoint_that_loads_and_resumes(tmp_path, char_data):
+def test_sigkill_while_saving_leaves_a_checkpoint_that_loads_and_resumes(tmp_path, char_data, spawn):
     out, flag = tmp_path / "out", tmp_path / "paused"
     args = tiny_train_args(char_data, out, max_iters=20, ckpt_interval=4, eval_interval=10**9)
     # save 1 writes ckpt.pt at iteration 4; save 2 (iteration 8) stops half way through its temporary file
-    proc = start("tests/faulty_train.py", "pause_in_save=2", f"pause_flag={flag}", "--", *args)
+    proc = start(spawn, "tests/faulty_train.py", "pause_in_save=2", f"pause_flag={flag}", "--", *args)
     wait_for_file(flag, proc)
-    temporary = [p for p in out.iterdir() if p.name not in ("ckpt.pt", "metrics.jsonl")]
+    temporary = [p for p in out.iterdir() if p.name not in ("ckpt.pt", "metrics.jsonl", "train.lock")]
     assert len(temporary) == 1 and temporary[0].stat().st_size > 0  # killed with a half-written file there
     proc.send_signal(signal.SIGKILL)
     finish(proc, timeout=60)
@@ -146,5 +113,40 @@ def test_sigkill_while_saving_leaves_a_checkpoint_that_loads_and_resumes(tmp_pat
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in records if "val_loss" in r] == [0, 6]
-    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "ckpt.pt", "metrics.jsonl"]  # the stale temporary
-    # file is gone
+    # the stale temporary file is gone
+    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "ckpt.pt", "metrics.jsonl", "train.lock"]
+
+
+def test_a_second_run_on_an_out_dir_in_use_stops_naming_the_first_and_writes_nothing(tmp_path, char_data, spawn):
+    out = tmp_path / "out"
+    first = start(spawn, "train.py", *tiny_train_args(char_data, out, max_iters=10**6, eval_interval=10**9))
+    wait_for_line(first, r"^iter 2: loss")
+    first.send_signal(signal.SIGSTOP)  # frozen, holding its lock: what changes in out_dir now is the second's doing
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()}
+    second = train(*tiny_train_args(char_data, out, max_iters=5), check=False)
+    assert_one_error_line(second, f"out_dir {out} is in use by another training run (pid {first.pid} on "
+                                  f"{socket.gethostname()}, started ", "train.py", "pick another --out_dir")
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()} == before  # nothing written
+    first.send_signal(signal.SIGKILL)  # the kernel releases a dead run's lock: the next run starts
+    finish(first)
+    third = train(*tiny_train_args(char_data, out, max_iters=5))
+    assert "iter 5: loss" in third.stdout
+    assert json.loads((out / "train.lock").read_text())["pid"] == os.getpid()  # (the last holder's pid)
+
+
+def test_the_lock_is_released_when_a_run_ends_in_this_process(tmp_path, char_data, monkeypatch):
+    import outdir
+    import train as train_script
+    from errors import UserError
+
+    out = tmp_path / "out"
+    held = outdir.claim(str(out))  # another holder (flock: another open file, even in this process)
+    proc = train(*tiny_train_args(char_data, out, max_iters=2), check=False)
+    assert_one_error_line(proc, f"pid {os.getpid()}")
+    held.release()
+    train(*tiny_train_args(char_data, out, max_iters=2))  # a finished run leaves it free
+    with monkeypatch.context() as m:
+        m.setattr(train_script.Trainer, "optimizer_step", lambda *a: (_ for _ in ()).throw(UserError("boom")))
+        assert_one_error_line(train(*tiny_train_args(char_data, out, max_iters=4, init_from="resume"),
+                                    check=False), "boom")
+    train(*tiny_train_args(char_data, out, max_iters=4, init_from="resume"))  # so does one that failed
