@@ -55,19 +55,23 @@ def load_split(data_dir, split, block_size):
     return np.memmap(path, dtype=np.uint16, mode="r", shape=(n,))
 
 
-def check_token_ids(data_meta, splits, vocab_size, meta_where):
+def check_token_ids(data_meta, directory, splits, vocab_size):
     """Stop before the first step when the data holds a token id the model has no embedding for (on a GPU,
-    a device-side assert): from the largest id prepare.py recorded, else by reading the files in chunks."""
-    if data_meta.max_token_id is not None:
+    a device-side assert): from the largest id prepare.py recorded, when its meta.json still describes the
+    files (meta.DatasetMeta.describes), else by reading the files in chunks (BENCHMARKS.md: the cost).
+    Returns whether the files were read."""
+    if data_meta.max_token_id is not None and data_meta.describes(directory):
         if data_meta.max_token_id >= vocab_size:
-            raise UserError(f"{meta_where} records token id {data_meta.max_token_id}, outside the model's "
-                            f"vocabulary of {vocab_size}; prepare the data with the model's tokenizer")
-        return
+            raise UserError(f"{os.path.join(directory, meta.FILENAME)} records token id {data_meta.max_token_id}, "
+                            f"outside the model's vocabulary of {vocab_size}; prepare the data with the model's "
+                            f"tokenizer")
+        return False
     for data in splits:
         for path in getattr(data, "paths", []):  # shards
             shards.check_max_token(path, vocab_size)
         if isinstance(data, np.memmap):
             shards.check_max_token(data, vocab_size, name=data.filename)
+    return True
 
 
 class BatchSampler:

@@ -11,7 +11,7 @@ A dataset with neither (nanoGPT's openwebtext, llm.c's shards) is GPT-2 BPE, as 
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
 from fileio import atomic_write, read_json_object
@@ -34,6 +34,9 @@ class DatasetMeta:
     documents: Optional[int] = None  # (corpora prepared into shards)
     shards: Optional[int] = None
     source: Optional[str] = None  # the text it was prepared from
+    # the token files (*.bin) beside meta.json when it was written, name -> [bytes, mtime_ns]: max_token_id
+    # speaks for them only while they are still those files (describes)
+    files: Optional[dict] = None
 
     @classmethod
     def gpt2(cls):
@@ -66,6 +69,12 @@ class DatasetMeta:
         if self.tokenizer == "gpt2":
             return GPT2Tokenizer()
         raise UserError("this model's data records no tokenizer (token ids only); give one with --meta")
+
+    def describes(self, directory):
+        """Does this metadata describe the token files in directory as they are now: the same .bin files, of
+        the same sizes and modification times as when it was written? A train.bin rewritten since, a shard
+        added, or a meta.json copied from another dataset does not."""
+        return self.files is not None and self.files == token_file_stamps(directory)
 
     def same_tokens(self, other):
         """Do both encode text into the same ids?"""
@@ -103,8 +112,18 @@ def _from_nanogpt_pickle(path):
 
 
 def write(meta, directory):
+    """Write directory/meta.json, recording the token files it describes (so write it after them); return
+    what it holds."""
+    meta = replace(meta, files=token_file_stamps(directory) or None)
     with atomic_write(os.path.join(directory, FILENAME), "w", encoding="utf-8") as f:
         json.dump(meta.to_dict(), f, ensure_ascii=False, indent=1)
+    return meta
+
+
+def token_file_stamps(directory):
+    """name -> [bytes, mtime_ns] of the token files (*.bin: train.bin and val.bin, or shards) in directory."""
+    return {entry.name: [entry.stat().st_size, entry.stat().st_mtime_ns] for entry in os.scandir(directory)
+            if entry.name.endswith(".bin") and entry.is_file()}
 
 
 def for_dataset(directory):

@@ -78,16 +78,17 @@ def prepare(input_path, out_dir, tokenizer_kind="char", val_fraction=0.1):
                         f"use --tokenizer gpt2")
     try:
         os.makedirs(out_dir, exist_ok=True)
-        # every file is written beside its old version and replaced only when all are complete:
+        # both token files are written beside their old versions and replaced only when both are complete:
         # a failure (a full disk, a bad byte late in the file) leaves an existing dataset untouched
         with ExitStack() as files:
             bins = {split: files.enter_context(atomic_write(os.path.join(out_dir, f"{split}.bin")))
                     for split in ("train", "val")}
             counts = write_tokens(input_path, tok, bins, split_at=int(n_chars * (1 - val_fraction)),
                                   n_chars=n_chars)
-            data_meta = meta.DatasetMeta.of(tok, train_tokens=counts["train"], val_tokens=counts["val"],
-                                            max_token_id=counts["max"], source=os.path.abspath(input_path))
-            meta.write(data_meta, out_dir)
+        # after the token files are in place: meta.json records what they are (meta.DatasetMeta.describes)
+        data_meta = meta.DatasetMeta.of(tok, train_tokens=counts["train"], val_tokens=counts["val"],
+                                        max_token_id=counts["max"], source=os.path.abspath(input_path))
+        data_meta = meta.write(data_meta, out_dir)
     except OSError as e:
         raise UserError(f"cannot write the dataset in {out_dir} ({e.strerror or e}); free some space or pick "
                         f"another --data_dir (nothing there was changed)") from None

@@ -168,8 +168,9 @@ class Trainer:
         ckpt = checkpoint.load(f"{cfg.out_dir}/{checkpoint.LATEST}") if cfg.init_from == "resume" else None
         self.raw_model = self._build_model(ckpt).to(self.device)
         self.model_config = self.raw_model.config
-        check_token_ids(self.meta, (self.train_data, self.val_data), self.model_config.vocab_size,
-                        f"{data_dir}/meta.json")
+        if check_token_ids(self.meta, data_dir, (self.train_data, self.val_data), self.model_config.vocab_size):
+            self.log(f"checked every token id of {data_dir} ({len(self.train_data) + len(self.val_data):,} tokens): "
+                     f"no meta.json describes its files as they are now")
         if self.world.distributed and cfg.parallel == "fsdp":
             distributed.shard(self.raw_model)
         self.optimizer = build_optimizer(self.raw_model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay,

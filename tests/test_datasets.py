@@ -76,6 +76,57 @@ def test_a_recorded_largest_id_beyond_the_vocabulary_stops_naming_meta_json(tmp_
     assert not (tmp_path / "out2").exists()
 
 
+@pytest.mark.parametrize("how", ["train.bin rewritten after prepare.py", "meta.json copied from another dataset"])
+def test_ids_beyond_the_vocabulary_that_meta_json_does_not_know_stop_naming_the_file(tmp_path, char_data, how):
+    """meta.json's max_token_id speaks only for the files it was written with: a train.bin made by hand
+    afterwards (same size, ids up to 60) or a meta.json taken from another dataset does not describe these
+    files, so the files themselves are read, and the first id beyond the model's 53 stops the run."""
+    tiny = char_data / "tiny"
+    ids = np.fromfile(tiny / "train.bin", dtype=np.uint16)
+    bad = ids.copy()
+    bad[777] = 60
+    if how.startswith("train.bin"):
+        (tiny / "train.bin").write_bytes(bad.astype("<u2").tobytes())
+    else:  # another dataset, prepared with the same vocabulary, whose meta.json is copied over this one's
+        other = tmp_path / "other"
+        other.mkdir()
+        (other / "train.bin").write_bytes(ids[:-1].astype("<u2").tobytes())
+        (other / "val.bin").write_bytes((tiny / "val.bin").read_bytes())
+        meta = json.loads((tiny / "meta.json").read_text())
+        import meta as meta_module
+
+        meta_module.write(meta_module.DatasetMeta(**meta), other)
+        (tiny / "train.bin").write_bytes(bad.astype("<u2").tobytes())
+        (tiny / "meta.json").write_bytes((other / "meta.json").read_bytes())
+    assert json.loads((tiny / "meta.json").read_text())["max_token_id"] == 52  # it says nothing of id 60
+    before = files_under(char_data)
+    proc = run_in_process(train.main, *tiny_train_args(char_data, tmp_path / "out"))
+    assert_one_error_line(proc, f"{tiny / 'train.bin'} holds token id 60 at position 777", "vocabulary of 53")
+    assert files_under(char_data) == before and not (tmp_path / "out").exists()
+
+
+def test_meta_json_describes_the_files_prepare_wrote_and_no_others(tmp_path, char_data):
+    import meta
+
+    tiny = char_data / "tiny"
+    recorded = meta.read(tiny)
+    stat = {name: os.stat(tiny / name) for name in ("train.bin", "val.bin")}
+    assert recorded.files == {name: [st.st_size, st.st_mtime_ns] for name, st in stat.items()}
+    assert recorded.describes(tiny)
+    # so training trusts its max_token_id and reads no token to check them
+    proc = run_in_process(train.main, *tiny_train_args(char_data, tmp_path / "out", max_iters=1), check=True)
+    assert "checked every token id" not in proc.stdout
+    os.utime(tiny / "val.bin", ns=(stat["val.bin"].st_atime_ns, stat["val.bin"].st_mtime_ns + 1))
+    assert not recorded.describes(tiny)  # touched since: the same bytes, perhaps, but not known to be
+    os.utime(tiny / "val.bin", ns=(stat["val.bin"].st_atime_ns, stat["val.bin"].st_mtime_ns))
+    (tiny / "extra_train_000001.bin").write_bytes(b"")
+    assert not recorded.describes(tiny)  # a token file it does not know
+    (tiny / "extra_train_000001.bin").unlink()
+    assert recorded.describes(tiny)
+    proc = run_in_process(train.main, *tiny_train_args(char_data, tmp_path / "out2", max_iters=1), check=True)
+    assert "checked every token id" not in proc.stdout
+
+
 @pytest.mark.parametrize("args, words", [
     (["text", "--input", "{tmp}/in.txt", "--name", "../x"], ["--name '../x' must be a plain name"]),
     (["text", "--input", "{tmp}/in.txt", "--name", "a/b"], ["--name 'a/b' must be a plain name"]),
