@@ -74,8 +74,7 @@ class BenchConfig(TrainConfig):
     text_source: str = setting("../shared/data/tinyshakespeare/input.txt", "mode=prepare: the text the "
                                                                           "synthetic corpus is cut from")
     num_proc: int = setting(0, "mode=prepare: prepare's processes and tiktoken's threads (0: every core)")
-    shard_tokens: int = setting(0, "mode=prepare: tokens per shard (0: prepare.py's 100M, or half the corpus "
-                                   "where it is smaller)")
+    shard_tokens: int = setting(0, "mode=prepare: tokens per shard (0: prepare.py's 100M)")
 
     def validate(self):
         super().validate()

@@ -6,11 +6,11 @@ encode_ordinary_batch on the same documents, one after the other in the same run
 The baseline is the favourable one: only the time inside tiktoken's encode calls counts, not
 reading the documents. It runs first, in a child process: what it allocates (a batch of documents
 and their tokens as Python ints) leaves with that process instead of staying in this one's heap,
-which prepare's fork()ed workers would inherit and the memory figures would count. It also gives
-the corpus's token count, from which the shard size is chosen, and reads the corpus into the page
-cache before ours reads it. Ours is the whole prepare_corpus call in this process: reading,
-tokenizing on num_proc processes (which inherit the encoding built before they fork, as in
-prepare.py), writing the shards.
+which prepare's fork()ed workers would inherit and the memory figures would count. It also reads
+the corpus into the page cache before ours reads it. Ours is the whole prepare_corpus call in this
+process, with prepare.py's shard size unless told another: reading, tokenizing on num_proc processes
+(which inherit the encoding built before they fork, as in prepare.py), writing the shards (for a
+corpus of fewer than two shards, cutting the validation split at 10 % as prepare.py does).
 Both count one <|endoftext|> per document, and their token counts must be equal: the check that
 both encoded the same text.
 
@@ -184,12 +184,6 @@ def check_same_text(baseline, ours):
                            f"{ours.documents:,} documents; they did not encode the same text")
 
 
-def shard_size(tokens):
-    """prepare.py's shard size, or half the corpus where it has fewer tokens (a corpus that fills only
-    the validation shard is refused)."""
-    return corpus.DEFAULT_SHARD_TOKENS if tokens > corpus.DEFAULT_SHARD_TOKENS else (tokens + 1) // 2
-
-
 def describe_machine():
     """Cores, CPU model and vector capability, and the load: what tokenizing speed depends on."""
     model = "?"
@@ -217,7 +211,7 @@ def bench_prepare(cfg, workdir):
               f"{documents:,} documents", flush=True)
     baseline = measure_tiktoken(source, num_proc)
     print(baseline.line(), flush=True)
-    ours = measure_prepare(source, os.path.join(workdir, "bench"), cfg.shard_tokens or shard_size(baseline.tokens),
+    ours = measure_prepare(source, os.path.join(workdir, "bench"), cfg.shard_tokens or corpus.DEFAULT_SHARD_TOKENS,
                            num_proc)
     print(ours.line(), flush=True)
     check_same_text(baseline, ours)

@@ -10,6 +10,13 @@ fineweb_edu and `text --input DIR` modes).
 This is llm.c's / build-nanogpt's fineweb.py layout: the stream of documents is cut
 at fixed token counts, so a document may continue in the next shard.
 
+A corpus of fewer than two shards would give validation a whole shard and train less
+than that (or nothing): there validation gets the first VAL_PERCENT % of the stream
+instead (at least MIN_SPLIT_TOKENS, one GPT-2 window), and train the rest, cut into
+shards of shard_tokens as before. Under one shard nothing is on disk before the end
+(the buffer holds it all); between one and two, the validation shard already written
+is cut again at the end, its tail read back into the first train shard.
+
 Memory does not grow with the corpus: documents are read in batches, at most
 2 * num_proc chunks are in flight, and one shard buffer is filled at a time.
 
@@ -37,6 +44,8 @@ from fileio import atomic_write, remove_stale_temps
 from tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE, gpt2_encoding
 
 DEFAULT_SHARD_TOKENS = 100_000_000
+VAL_PERCENT = 10  # validation's share of a corpus under two shards (prepare.py's --val_fraction for a text file)
+MIN_SPLIT_TOKENS = 1025  # ... but at least one GPT-2 training window (block_size 1024 + 1), and as many for train
 CHUNK_CHARS = 1 << 20  # documents are sent to the workers in chunks of about 1M characters
 CHUNK_DOCS = 4096  # ... or this many documents, whichever comes first
 PARQUET_BATCH_ROWS = 1024
@@ -339,9 +348,62 @@ def dataset_meta(state):
                             shards=len(records), source=state["source"])
 
 
+def small_corpus_val_tokens(total, description):
+    """The validation split of a corpus of `total` tokens that fills fewer than two shards: its first
+    VAL_PERCENT %, but at least MIN_SPLIT_TOKENS, and train must keep as many (else a UserError)."""
+    val = max(total * VAL_PERCENT // 100, MIN_SPLIT_TOKENS)
+    if total - val < MIN_SPLIT_TOKENS:
+        lower = (f", or pass --shard_tokens {total // 2} or less to make the first shard of that size the "
+                 f"validation split (for a smaller --block_size)") if total >= 2 else ""
+        raise UserError(f"{description} gives only {total:,} tokens, too few for a validation and a train split of "
+                        f"{MIN_SPLIT_TOKENS:,} tokens each (one GPT-2 window, block_size 1024 + 1); "
+                        f"add documents{lower}")
+    return val
+
+
+def small_corpus_note(total, val, shard_tokens):
+    share = (f"{VAL_PERCENT} %" if val == total * VAL_PERCENT // 100
+             else f"{val:,} tokens, as {VAL_PERCENT} % would hold less than one GPT-2 window")
+    return (f"note: the corpus has {total:,} tokens, less than {'one shard' if total < shard_tokens else 'two shards'}"
+            f" of {shard_tokens:,}: validation gets the first {share} ({val:,} tokens), train the rest "
+            f"({total - val:,} tokens)")
+
+
+def stream_position(tokens, q, start):
+    """(documents done, tokens of the next document written) at tokens[q], for a piece `tokens` of the stream
+    that begins at position `start` and goes on past q. Every document begins with <|endoftext|>, which
+    encode_ordinary never gives, so the document starts are where that token is."""
+    docs, offset = start
+    starts = np.flatnonzero(tokens[:q] == GPT2_EOT)
+    started = docs + (offset > 0) + len(starts)  # documents begun before tokens[q]
+    if tokens[q] == GPT2_EOT:
+        return started, 0
+    return started - 1, int(q - starts[-1]) if len(starts) else offset + q
+
+
+def read_tokens(path, start, stop, chunk=shards.CHECK_CHUNK):
+    """Tokens start..stop of the shard at path, in arrays of at most `chunk` (plain reads: no mapping)."""
+    with open(path, "rb") as f:
+        f.seek(shards.HEADER_BYTES + 2 * start)
+        for pos in range(start, stop, chunk):
+            yield np.fromfile(f, dtype="<u2", count=min(chunk, stop - pos))
+
+
+def write_parts(path, n, parts):
+    """A shard of the n tokens of the arrays `parts` at path, atomically; returns the largest token id."""
+    largest, written = -1, 0
+    with atomic_write(path) as f:
+        f.write(shards.header_bytes(n))
+        for part in parts:
+            part.astype("<u2", copy=False).tofile(f)
+            largest, written = max(largest, int(part.max()) if part.size else -1), written + part.size
+    assert written == n, (written, n)
+    return largest
+
+
 class ShardWriter:
     """Fills one shard buffer from the token stream; a full shard is written (and the progress file
-    updated) only once more tokens follow, so a corpus too small for a train shard writes nothing."""
+    updated) only once more tokens follow; finish() writes the rest at the end."""
 
     def __init__(self, out_dir, state):
         self.out_dir, self.state = out_dir, state
@@ -362,17 +424,65 @@ class ShardWriter:
             done = int(np.searchsorted(ends, pos, side="right"))  # documents of the chunk fully written
             self.end = (doc_base + done, pos - (int(ends[done - 1]) if done else 0))
 
-    def flush(self):
+    def record(self, index, tokens, largest, end):
+        return {"file": os.path.basename(shard_path(self.out_dir, self.state["name"], index)),
+                "tokens": int(tokens), "end_doc": int(end[0]), "end_offset": int(end[1]), "max_token_id": largest}
+
+    def write(self, tokens, end):
+        """tokens as the next shard, ending at stream position `end`; recorded in the progress file."""
         index = len(self.state["shards"])
-        path = shard_path(self.out_dir, self.state["name"], index)
         os.makedirs(self.out_dir, exist_ok=True)
-        tokens = self.buf[:self.fill]
-        shards.write_shard(path, tokens)
-        self.state["shards"].append({"file": os.path.basename(path), "tokens": int(self.fill),
-                                     "end_doc": self.end[0], "end_offset": self.end[1],
-                                     "max_token_id": int(tokens.max())})
+        shards.write_shard(shard_path(self.out_dir, self.state["name"], index), tokens)
+        self.state["shards"].append(self.record(index, len(tokens), int(tokens.max()), end))
         _write_json(os.path.join(self.out_dir, PROGRESS_FILE), self.state)
+
+    def flush(self):
+        self.write(self.buf[:self.fill], self.end)
         self.fill = 0
+
+    def finish(self, description):
+        """Write what the buffer holds at the end of the stream: as it is where the corpus fills two shards
+        or more (llm.c's layout), else with validation cut to small_corpus_val_tokens (see the module doc)."""
+        records, shard_tokens = self.state["shards"], len(self.buf)
+        total = sum(r["tokens"] for r in records) + self.fill
+        if total < 2 * shard_tokens:
+            val = small_corpus_val_tokens(total, description)
+            print(small_corpus_note(total, val, shard_tokens))
+            if not records:  # all of it in the buffer: nothing written yet
+                self.write(self.buf[:val], stream_position(self.buf[:self.fill], val, (0, 0)))
+                self.write(self.buf[val:self.fill], self.end)
+                self.fill = 0
+                return
+            if records[0]["tokens"] == shard_tokens:  # the whole first shard was written as validation
+                self.recut(val)
+                return
+        if self.fill:  # (or a resumed run whose validation shard was cut already)
+            self.flush()
+
+    def recut(self, val):
+        """The validation shard (the first shard_tokens tokens, on disk) and the buffer (the rest) cut again
+        at val: the train shards first, from the validation shard's tail and the buffer, then the validation
+        shard itself, then the progress file. Until that last write the progress file describes the first
+        cut, so an interrupted run continues from it and cuts again (or, once the validation shard is
+        replaced, its header no longer matches and the run starts again): either way the same bytes."""
+        first, shard_tokens = self.state["shards"][0], len(self.buf)
+        val_path = os.path.join(self.out_dir, first["file"])
+        head = np.concatenate(list(read_tokens(val_path, 0, val + 1)))
+        from_buf = min(self.fill, val)  # the first train shard: the validation shard's tail, then the buffer's head
+        n = shard_tokens - val + from_buf
+        end = (stream_position(self.buf[:self.fill], from_buf, (first["end_doc"], first["end_offset"]))
+               if from_buf < self.fill else self.end)
+        largest = write_parts(shard_path(self.out_dir, self.state["name"], 1), n,
+                              [*read_tokens(val_path, val, shard_tokens), self.buf[:from_buf]])
+        records = [self.record(0, val, int(head[:val].max()), stream_position(head, val, (0, 0))),
+                   self.record(1, n, largest, end)]
+        if from_buf < self.fill:
+            rest = self.buf[from_buf:self.fill]
+            shards.write_shard(shard_path(self.out_dir, self.state["name"], 2), rest)
+            records.append(self.record(2, len(rest), int(rest.max()), self.end))
+        shards.write_shard(val_path, head[:val])
+        self.state["shards"], self.fill = records, 0
+        _write_json(os.path.join(self.out_dir, PROGRESS_FILE), self.state)
 
 
 def prepare_corpus(source, out_dir, name, shard_tokens=DEFAULT_SHARD_TOKENS, num_proc=None, progress=True):
@@ -387,7 +497,7 @@ def prepare_corpus(source, out_dir, name, shard_tokens=DEFAULT_SHARD_TOKENS, num
     state = load_progress(out_dir, name, source.description, shard_tokens)
     if state["complete"]:
         print(f"{out_dir}: already prepared ({len(state['shards'])} shards)")
-        return dataset_meta(state)
+        return meta.read(out_dir) or dataset_meta(state)
     if os.path.isdir(out_dir):
         remove_stale_temps(out_dir)  # what an interrupted run was writing
     done = state["shards"][-1] if state["shards"] else {"end_doc": 0, "end_offset": 0}
@@ -402,14 +512,9 @@ def prepare_corpus(source, out_dir, name, shard_tokens=DEFAULT_SHARD_TOKENS, num
             writer.add(tokens, lengths, doc_base, drop)
             bar.update(len(tokens) - drop)
             doc_base, drop = doc_base + len(lengths), 0
-    if not state["shards"]:
-        raise UserError(f"{source.description} gives only {writer.fill} tokens, all of them validation "
-                        f"(one shard is {shard_tokens} tokens); lower --shard_tokens or add documents")
-    if writer.fill:
-        writer.flush()
+    writer.finish(source.description)
     state["complete"], state["documents"] = True, doc_base
-    prepared = dataset_meta(state)
-    meta.write(prepared, out_dir)
+    prepared = meta.write(dataset_meta(state), out_dir)
     _write_json(os.path.join(out_dir, PROGRESS_FILE), state)
     print(f"{out_dir}: {prepared.shards} shards, train {prepared.train_tokens:,} tokens, "
           f"val {prepared.val_tokens:,} tokens, {prepared.documents:,} documents")

@@ -155,7 +155,8 @@ def main(argv=None):
                                     "CC-MAIN-2024-10)")
     p.add_argument("--num_proc", type=int, default=None, help="tokenizer processes for shards (default: every core)")
     p.add_argument("--shard_tokens", type=int, default=corpus.DEFAULT_SHARD_TOKENS,
-                   help="tokens per shard (default 100M); the first shard is the validation split")
+                   help="tokens per shard (default 100M); the first shard is the validation split, or the first "
+                        "10%% of a corpus of fewer than two shards")
     args = p.parse_args(argv)
 
     if args.name is not None:
