@@ -77,6 +77,19 @@ def autocast(device, dtype):
     return torch.autocast(device_type=device_type, dtype=DTYPES[dtype])
 
 
+def grad_scaler(device_type, dtype):
+    """float16 gradients can underflow: its GradScaler scales the loss up, and skips steps whose gradients
+    overflow. Every other dtype gets a disabled one (a no-op)."""
+    return torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
+
+
+def enable_tf32(device_type):
+    """On CUDA, let float32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa, as nanoGPT
+    does); elsewhere leave the flags alone."""
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+
+
 def describe(device, dtype):
     """One line for logs: where it runs and in which precision (on the CPU: its capability and threads)."""
     if device.startswith("cuda"):
@@ -92,8 +105,10 @@ def peak_flops(device):
     if not device.startswith("cuda"):
         return None
     name = torch.cuda.get_device_name(device)
-    for key, flops in (("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("L4", 121e12),
-                       ("A10", 125e12), ("4090", 165e12), ("3090", 71e12)):
+    # the first key found in the name wins, so longer names come before their prefixes (L40S before L4)
+    for key, flops in (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12),
+                       ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10", 125e12), ("4090", 165e12),
+                       ("3090", 71e12)):
         if key in name:
             return flops
     return 312e12  # unknown GPU: report against an A100, as nanoGPT does

@@ -31,7 +31,7 @@ from batches import BatchSampler, check_token_ids, dataset_dir, load_dataset, wh
 from configurator import setting
 from errors import UserError, first_line, run_main
 from eval import TrainingHellaSwag
-from hardware import autocast, describe, peak_flops, pick_dtype
+from hardware import autocast, describe, enable_tf32, grad_scaler, peak_flops, pick_dtype
 from metrics import Metrics
 from model import GPT, GPTConfig
 from optimizers import POLAR_EXPRESS, build_optimizer, set_schedule
@@ -161,8 +161,7 @@ class Trainer:
         data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
         self.meta, self.train_data, self.val_data = load_dataset(data_dir, cfg.block_size)
         self.hellaswag = TrainingHellaSwag(cfg, self.meta, self.device, self.autocast, self.log)
-        if self.device_type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        enable_tf32(self.device_type)
 
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         ckpt = checkpoint.load(f"{cfg.out_dir}/{checkpoint.LATEST}") if cfg.init_from == "resume" else None
@@ -176,8 +175,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.raw_model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay,
                                          (cfg.beta1, cfg.beta2), self.device_type, muon_lr=cfg.muon_lr,
                                          muon_ns_steps=cfg.muon_ns_steps)
-        # fp16 gradients can underflow: scale the loss up, and skip steps whose gradients overflow
-        self.scaler = torch.amp.GradScaler(self.device_type, enabled=(self.dtype == "float16"))
+        self.scaler = grad_scaler(self.device_type, self.dtype)  # float16's; a no-op for other dtypes
         # a non-finite loss is recorded on the device (no sync every step) and checked when logging/saving
         self.nonfinite_at = torch.full((), -1, dtype=torch.long, device=self.device)
         self.train_sampler = self._sampler()

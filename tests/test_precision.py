@@ -2,6 +2,7 @@
 to end on the CPU (bfloat16 autocast; float16 with its GradScaler, whose state resumes exactly), and
 compile=True trains compiled, or warns once and trains uncompiled when compilation fails."""
 
+import os
 import re
 
 import pytest
@@ -99,13 +100,63 @@ def test_float16_trains_with_a_grad_scaler_that_skips_overflows_and_resumes_exac
         assert torch.equal(weight, b["model"][name]), name
 
 
-def test_compile_true_trains_compiled_on_the_cpu(tmp_path, char_data):
-    """torch.compile (inductor, C++ kernels on the CPU) trains to the uncompiled run's losses within
-    rounding; the checkpoint's weight names carry no `_orig_mod.` prefix."""
+def counting_inductor(calls):
+    """A torch.compile backend: inductor (torch.compile's default), with every call of the compiled graphs
+    counted in calls: "forward" with gradients, "backward" (the compiled backward, counted by a hook on
+    its autograd node, which runs after it), "no_grad" (evaluation)."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    inductor = lookup_backend("inductor")
+
+    def backend(graph, example_inputs):
+        compiled = inductor(graph, example_inputs)
+
+        def run(*args):
+            outputs = compiled(*args)
+            if not torch.is_grad_enabled():
+                calls["no_grad"] += 1
+                return outputs
+            calls["forward"] += 1
+            node = next(o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+            node.register_hook(lambda *_: calls.update(backward=calls["backward"] + 1))
+            return outputs
+
+        return run
+
+    return backend
+
+
+@pytest.fixture
+def inductor_cache(monkeypatch):
+    """Inductor's on-disk cache, one per ATen CPU capability. Inductor compiles its C++ kernels for the vector
+    ISA that ATEN_CPU_CAPABILITY selects, yet the cache does not tell them apart: kernels cached by a run under
+    ATEN_CPU_CAPABILITY=avx2 crashed a later run under avx512 (free(): invalid pointer; torch 2.13). Kept
+    between runs, as the default cache is: compiling from cold takes about 3 times longer."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    capability = torch.backends.cpu.get_cpu_capability()  # (ATEN_CPU_CAPABILITY's, or the CPU's best)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.join(default_cache_dir(), f"capability_{capability}"))
+
+
+def test_compile_true_trains_compiled_on_the_cpu(tmp_path, char_data, monkeypatch, inductor_cache):
+    """torch.compile (inductor, C++ kernels on the CPU) runs every forward and backward of training, and
+    trains to the uncompiled run's losses within rounding; the checkpoint's weight names carry no
+    `_orig_mod.` prefix."""
     args = dict(ARGS, max_iters=2, eval_interval=100, eval_at_start=False, eval_iters=1)
     eager = train(*tiny_train_args(char_data, tmp_path / "eager", **args))
-    compiled = train(*tiny_train_args(char_data, tmp_path / "compiled", **dict(args, compile=True)))
+    calls, real_compile = {"forward": 0, "backward": 0, "no_grad": 0}, torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: real_compile(
+        model, backend=counting_inductor(calls), **kwargs))
+    torch._dynamo.reset()  # compile afresh, with this backend
+    try:
+        compiled = train(*tiny_train_args(char_data, tmp_path / "compiled", **dict(args, compile=True)))
+    finally:
+        torch._dynamo.reset()  # drop the compiled code that holds the counting backend
     assert "warning" not in compiled.stdout + compiled.stderr
+    # the model compiles whole (one graph, no break): one call per forward. Training: the trial step of
+    # _try_compile, then max_iters steps of gradient_accumulation_steps (1) micro-steps; the final evaluation:
+    # eval_iters (1) batches of each split. Handing the eager model back after the trial would count 1 and 1.
+    assert calls == {"forward": 1 + 2, "backward": 1 + 2, "no_grad": 2}
     assert val_losses(compiled.stdout) == pytest.approx(val_losses(eager.stdout), abs=1e-4)
     state = load(tmp_path / "compiled" / "ckpt.pt")
     assert not any(k.startswith("_orig_mod.") for k in state["model"])
