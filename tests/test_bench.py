@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,26 +14,63 @@ import bench
 import bench_prepare
 from conftest import ROOT, assert_one_error_line, make_corpus, run_in_process
 from configurator import UserError
+from model import GPT
 from tokenizer import gpt2_encoding
 
-TINY = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--device=cpu", "--warmup=1", "--repeats=2"]
+TINY = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--device=cpu", "--warmup=1", "--repeats=3"]
 
 
-def test_sample_mode_reports_both_paths_and_identical_greedy_tokens(capsys):
+def fake_clock(monkeypatch, durations):
+    """bench.py's time.perf_counter replaced by a clock whose measured intervals (one pair of calls each, in
+    order) last the given durations (binary fractions of 2 decimals at most: exact in floats and as printed),
+    the real work still done in between; returns the list of readings taken, to count them."""
+    readings, ticks = [], []
+    now = 1000.0
+    for d in durations:
+        ticks += [now, now + d]
+        now += d + 1  # (time between the intervals, unmeasured)
+    ticks.reverse()
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: readings.append(ticks.pop()) or
+                                                       readings[-1]))
+    return readings
+
+
+def test_sample_mode_reports_both_paths_and_identical_greedy_tokens(capsys, monkeypatch):
+    # warm-up, then 3 measured runs, each path in turn: cached, uncached, cached, uncached, ...
+    cached, uncached = [0.25, 0.5, 2.0, 1.0], [16.0, 4.0, 8.0, 2.0]
+    readings = fake_clock(monkeypatch, [d for pair in zip(cached, uncached) for d in pair])
+    generated, generate = [], GPT.generate  # each run's path and tokens
+    monkeypatch.setattr(GPT, "generate", lambda self, idx, n, **kw: generated.append(
+        (kw["use_cache"], generate(self, idx, n, **kw))) or generated[-1][1])
     rate, same = bench.main(["--mode=sample", "--vocab_size=65", "--max_new_tokens=20", "--prompt_len=3", *TINY])
-    assert same and rate[True] > 0 and rate[False] > 0
+    assert len(readings) == 16  # every run timed, and nothing else
+    assert [use_cache for use_cache, _ in generated] == [True, False] * 4
+    assert generated[0][1].shape == (1, 3 + 20) and all(torch.equal(out, generated[0][1]) for _, out in generated)
+    # the medians of the measured runs alone (with the warm-up they would be 0.75 s and 6 s)
+    assert rate == {True: 20 / 1.0, False: 20 / 4.0} and same is True
     out = capsys.readouterr().out
-    assert "vocab 65" in out and "greedy tokens identical: yes" in out
-    assert out.count(" cached ") == 3 and out.count(" uncached ") == 3  # warm-up and two runs each
+    assert "vocab 65" in out
+    runs = re.findall(r"^  (warm-up|run \d) +(cached|uncached) +(\d+\.\d\d) s$", out, re.M)
+    assert runs == [(name, path, f"{d:.2f}") for name, c, u in zip(["warm-up", "run 1", "run 2", "run 3"],
+                                                                   cached, uncached)
+                    for path, d in (("cached", c), ("uncached", u))]
+    assert re.findall(r"^(cached|uncached) +(\S+)$", out, re.M) == [("cached", "20.0"), ("uncached", "5.0")]
+    assert out.endswith("speed-up with the KV cache: 4.0x; greedy tokens identical: yes\n")
 
 
-def test_train_mode_reads_a_training_config_file(capsys):
+def test_train_mode_reads_a_training_config_file(capsys, monkeypatch):
+    steps = [8.0, 0.25, 1.0, 0.5]  # a warm-up, then 3 measured iterations
+    readings = fake_clock(monkeypatch, steps)
     median = bench.main([str(ROOT / "config/train_shakespeare_char.py"), "--mode=train", "--batch_size=2",
                          "--compile=False", *TINY])
     out = capsys.readouterr().out
-    assert median > 0
+    assert len(readings) == 8 and median == 0.5  # the measured iterations' median (with the warm-up: 0.75)
     assert "1 micro-steps x batch 2 x 16 tokens = 32 tokens" in out  # gradient_accumulation_steps from the file
-    assert out.count(" ms\n") == 3 and "median" in out and "tokens/s" in out
+    assert re.findall(r"^  (warm-up|iter \d) +(\S+) ms$", out, re.M) == \
+        [("warm-up", "8000.0"), ("iter 1", "250.0"), ("iter 2", "1000.0"), ("iter 3", "500.0")]
+    # ms/iter, and tokens/s = 32 tokens / seconds per iteration; no MFU on a CPU (no known peak)
+    assert re.findall(r"^(median|min|max) +(\S+) +(\S+) +(\S+)$", out, re.M) == \
+        [("median", "500.0", "64", "-"), ("min", "250.0", "128", "-"), ("max", "1000.0", "32", "-")]
 
 
 @pytest.mark.parametrize("arg,message", [("--mode=fast", "mode must be sample, train, speedrun or prepare, got 'fast'"),

@@ -6,18 +6,17 @@ transformers' logits, so they share with eval.py only the task's definition writ
 
 import json
 import math
+import random
 import re
 
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-
-import eval as evaluation  # noqa: E402
-import meta  # noqa: E402
-import metrics  # noqa: E402
-from conftest import assert_one_error_line, hf_model, run_in_process, tiny_train_args, train  # noqa: E402
-from tokenizer import GPT2Tokenizer  # noqa: E402
+import eval as evaluation
+import meta
+import metrics
+from conftest import assert_one_error_line, hf_model, run_in_process, tiny_train_args, train
+from tokenizer import GPT2Tokenizer
 
 BLOCK = 64  # n_positions of the test model
 TOL = 1e-4
@@ -41,6 +40,26 @@ EXAMPLES = [
 ]
 
 
+def generated_examples(n, seed=0):
+    """n examples whose endings are 1, 2, 5 and 12 words long (in a random order), the right one the shortest.
+    A summed loss favours short endings (every token adds its loss, several nats here), a mean per token
+    does not: so acc (the sum) gets most of them right and acc_norm (the mean) about a quarter, and a
+    swap of the two shows."""
+    rng = random.Random(seed)
+    words = "the a dog cat ran sat on mat house tree river quickly slowly green blue under over and then it was".split()
+    examples = []
+    for _ in range(n):
+        lengths = rng.sample([1, 2, 5, 12], 4)
+        ctx = " ".join(rng.choice(words) for _ in range(rng.randint(3, 12))).capitalize()
+        endings = [" ".join(rng.choice(words) for _ in range(k)) + "." for k in lengths]
+        examples.append({"ctx": ctx, "endings": endings, "label": lengths.index(1)})
+    return examples
+
+
+GENERATED = generated_examples(18)
+ALL = GENERATED + EXAMPLES  # 24: enough that acc and acc_norm differ (asserted where it matters)
+
+
 @pytest.fixture(scope="module")
 def encode():
     return GPT2Tokenizer().encode
@@ -54,8 +73,9 @@ def write_jsonl(path, examples):
 @torch.no_grad()
 def reference_losses(hf, tokens, n_scored):
     """The cross-entropy (nats) of each of the last n_scored tokens given all the tokens before it."""
-    logp = torch.log_softmax(hf(torch.tensor([tokens[:-1]])).logits[0].double(), dim=-1)
-    return [-logp[i - 1, tokens[i]].item() for i in range(len(tokens) - n_scored, len(tokens))]
+    logits = hf(torch.tensor([tokens[:-1]])).logits[0]  # row i: the prediction of tokens[i + 1]
+    logp = torch.log_softmax(logits[len(tokens) - 1 - n_scored:].double(), dim=-1)  # the scored rows only
+    return [-logp[j, tokens[len(tokens) - n_scored + j]].item() for j in range(n_scored)]
 
 
 def reference_record(hf, encode, example, block=BLOCK):
@@ -73,7 +93,13 @@ def reference_record(hf, encode, example, block=BLOCK):
 
 @pytest.fixture(scope="module")
 def references(hf_dir, encode):
-    return [reference_record(hf_dir[1], encode, e) for e in EXAMPLES]
+    """The reference record of each example of ALL, in order."""
+    return [reference_record(hf_dir[1], encode, e) for e in ALL]
+
+
+def correct_counts(refs):
+    """(examples right by the lowest sum, examples right by the lowest mean) among the reference records."""
+    return sum(r["pred"] == r["label"] for r in refs), sum(r["pred_norm"] == r["label"] for r in refs)
 
 
 def test_hellaswag_scores_match_transformers(hf_dir, encode, references):
@@ -81,7 +107,9 @@ def test_hellaswag_scores_match_transformers(hf_dir, encode, references):
     assert len(encode(EXAMPLES[3]["ctx"])) > BLOCK  # the truncation case is really there
     cfg = evaluation.EvalConfig(init_from=str(path), device="cpu", dtype="float32")
     model, tokenizer = evaluation.load(cfg, "cpu")
-    ours = evaluation.hellaswag_scores(model, tokenizer.encode, EXAMPLES, "cpu")
+    ours = evaluation.hellaswag_scores(model, tokenizer.encode, ALL, "cpu")
+    assert len(ours) == len(references) == 24
+    assert sum(r["pred"] != r["pred_norm"] for r in references) >= 6  # the two choices often differ
     for got, want in zip(ours, references):
         assert max(want["sum"]) - min(want["sum"]) > 10 * TOL  # the choice is not a coin toss
         torch.testing.assert_close(torch.tensor(got["sum"]), torch.tensor(want["sum"]), atol=TOL, rtol=0)
@@ -91,24 +119,27 @@ def test_hellaswag_scores_match_transformers(hf_dir, encode, references):
 
 def test_hellaswag_accuracy_from_the_command_line(tmp_path, hf_dir, references):
     path, refs = hf_dir[0], references
-    data = write_jsonl(tmp_path / "hs.jsonl", EXAMPLES)
-    correct = sum(r["pred"] == r["label"] for r in refs)
-    correct_norm = sum(r["pred_norm"] == r["label"] for r in refs)
+    data = write_jsonl(tmp_path / "hs.jsonl", ALL)
+    correct, correct_norm = correct_counts(refs)
+    assert correct - correct_norm >= 4  # (as generated_examples intends): a swap of acc and acc_norm shows
     proc = run_in_process(evaluation.main, f"--init_from={path}", f"--hellaswag={data}", "--device=cpu",
                           "--dtype=float32", "--json", check=True)
     h = json.loads(proc.stdout)["hellaswag"]
-    assert (h["correct"], h["correct_norm"], h["total"]) == (correct, correct_norm, 6)
-    assert h["acc_norm"] == pytest.approx(correct_norm / 6) and h["acc"] == pytest.approx(correct / 6)
+    assert (h["correct"], h["correct_norm"], h["total"]) == (correct, correct_norm, 24)
+    assert (h["acc"], h["acc_norm"]) == (correct / 24, correct_norm / 24)
     proc = run_in_process(evaluation.main, f"--init_from={path}", f"--hellaswag={data}", "--device=cpu",
-                          "--dtype=float32", "--limit=2", check=True)
-    first_two = sum(r["pred_norm"] == r["label"] for r in refs[:2])
-    assert proc.stdout.startswith(f"hellaswag acc_norm {first_two / 2:.4f} ({first_two}/2), acc ")
+                          "--dtype=float32", "--limit=4", check=True)  # the first 4 examples only
+    correct, correct_norm = correct_counts(refs[:4])
+    assert correct != correct_norm
+    assert proc.stdout == f"hellaswag acc_norm {correct_norm / 4:.4f} ({correct_norm}/4), acc {correct / 4:.4f} " \
+                          f"({correct}/4)\n"
 
 
 def test_ranks_split_the_examples_and_run_as_many_forward_passes(hf_dir, references, monkeypatch):
     """Under torchrun (simulated here: each rank in turn, the all-reduce left to the test) the ranks score
     disjoint examples that make up the whole file, and all run the same number of forward passes (with
-    FSDP a forward pass is a collective): 5 examples on 2 ranks, the second rank repeats one, uncounted."""
+    FSDP a forward pass is a collective): 5 examples on 2 ranks, the second rank repeats one, uncounted.
+    (Generated examples, whose acc and acc_norm differ.)"""
     model, tokenizer = evaluation.load(evaluation.EvalConfig(init_from=str(hf_dir[0])), "cpu")
     passes = []
     model.register_forward_hook(lambda *_: passes.append(1))
@@ -116,12 +147,12 @@ def test_ranks_split_the_examples_and_run_as_many_forward_passes(hf_dir, referen
     for rank in range(2):
         monkeypatch.setattr(evaluation, "_rank_and_size", lambda r=rank: (r, 2))
         passes.clear()
-        h = evaluation.hellaswag_accuracy(model, tokenizer.encode, EXAMPLES[:5], "cpu")
+        h = evaluation.hellaswag_accuracy(model, tokenizer.encode, GENERATED[:5], "cpu")
         per_rank.append((h["total"], len(passes)))
         summed = [a + b for a, b in zip(summed, (h["correct_norm"], h["correct"], h["total"]))]
     assert per_rank == [(3, 3), (2, 3)]
-    refs = references[:5]
-    assert summed == [sum(r["pred_norm"] == r["label"] for r in refs), sum(r["pred"] == r["label"] for r in refs), 5]
+    correct, correct_norm = correct_counts(references[:5])  # (ALL begins with GENERATED)
+    assert correct != correct_norm and summed == [correct_norm, correct, 5]
 
 
 def test_text_loss_perplexity_and_bits_per_byte(tmp_path, hf_dir, encode):
@@ -231,7 +262,9 @@ def test_training_measures_hellaswag_every_interval_and_at_the_end(tmp_path, hf_
     weights are still transformers', so the figures are the reference's (at the run's block_size, 32);
     at step 3, eval.py on the final checkpoint gives the same."""
     path, hf = hf_dir
-    examples = EXAMPLES[1:4]  # (a context longer than the run's block_size among them; few: a CPU test)
+    # a context longer than the run's block_size among them, generated ones so that acc and acc_norm differ; few:
+    # a CPU test
+    examples = EXAMPLES[1:4] + GENERATED[:3]
     data = write_jsonl(tmp_path / "hs.jsonl", examples)
     args = tiny_train_args(bpe_data, tmp_path / "out", dataset="shakespeare", init_from=path, dtype="float32",
                            max_iters=3, eval_interval=1, eval_iters=1, hellaswag_interval=2, hellaswag=data)
@@ -241,14 +274,15 @@ def test_training_measures_hellaswag_every_interval_and_at_the_end(tmp_path, hf_
 
     proc = train(*args)
     refs = [reference_record(hf, encode, e, block=32) for e in examples]
-    acc_norm = sum(r["pred_norm"] == r["label"] for r in refs) / len(refs)
-    acc = sum(r["pred"] == r["label"] for r in refs) / len(refs)
-    assert f"step 0: hellaswag acc_norm {acc_norm:.4f}, acc {acc:.4f} (3 examples)\n" in proc.stdout
+    correct, correct_norm = correct_counts(refs)
+    assert correct != correct_norm
+    acc, acc_norm = correct / len(refs), correct_norm / len(refs)
+    assert f"step 0: hellaswag acc_norm {acc_norm:.4f}, acc {acc:.4f} (6 examples)\n" in proc.stdout
     assert [int(n) for n in re.findall(r"^step (\d+): hellaswag ", proc.stdout, re.M)] == [0, 2, 3]
     records = metrics.read(tmp_path / "out" / metrics.FILENAME)
     measured = {r["step"]: r for r in records if "hellaswag_acc_norm" in r}
     assert sorted(measured) == [0, 2, 3] and all("val_loss" in r and "hellaswag_acc" in r for r in measured.values())
-    assert (measured[0]["hellaswag_acc_norm"], measured[0]["hellaswag_acc"]) == pytest.approx((acc_norm, acc))
+    assert (measured[0]["hellaswag_acc_norm"], measured[0]["hellaswag_acc"]) == (acc_norm, acc)
     proc = run_in_process(evaluation.main, f"--out_dir={tmp_path / 'out'}", "--ckpt=latest", f"--hellaswag={data}",
                           "--device=cpu", "--dtype=float32", "--json", check=True)
     h = json.loads(proc.stdout)["hellaswag"]
