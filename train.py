@@ -377,9 +377,7 @@ class Trainer:
         cfg = self.cfg
         if cfg.init_from not in ("scratch", "resume"):
             model = convert.load_for_finetune(cfg.init_from, self.meta, cfg.dataset, cfg.block_size, cfg.dropout)
-            mc = model.config
-            for name in {f.name for f in fields(GPTConfig)} - {"block_size", "dropout"}:  # train_config tells the truth
-                setattr(cfg, name, getattr(mc, name))
+            mc = self._settings_from(model.config)
             self.log(f"initialized from {cfg.init_from}: n_layer={mc.n_layer}, n_head={mc.n_head}, n_embd={mc.n_embd}, "
                      f"vocab_size={mc.vocab_size}, block_size={mc.block_size}, bias={mc.bias}, gelu={mc.gelu}")
             return model
@@ -392,9 +390,17 @@ class Trainer:
         ckpt.check_resume(cfg, self.meta)
         mc = ckpt.model_config
         mc.dropout = cfg.dropout  # dropout may change on resume
-        model = GPT(mc)
+        model = GPT(self._settings_from(mc))
         ckpt.load_weights(model)
         return model
+
+    def _settings_from(self, model_config):
+        """The model settings a finetune's weights or a resumed checkpoint decide (all but block_size and
+        dropout: gelu, vocab_size, ...) written into cfg, so that the train_config checkpoints record tells the
+        truth; returns model_config."""
+        for name in {f.name for f in fields(GPTConfig)} - {"block_size", "dropout"}:
+            setattr(self.cfg, name, getattr(model_config, name))
+        return model_config
 
     def _sampler(self):
         """The training batches continue torch's random stream from just after the model's initialisation,

@@ -2,10 +2,13 @@
 
 import json
 import re
+import shutil
 
 import torch
 
-from conftest import assert_one_error_line, tiny_train_args, train
+import train as train_script
+from configurator import parse
+from conftest import ROOT, assert_one_error_line, tiny_train_args, train
 
 N = 6
 
@@ -123,3 +126,91 @@ def test_wandb_offline_and_a_resumed_run_continues_the_wandb_run(tmp_path, char_
     runs = sorted((wandb_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(run.name.endswith("-" + run_id) for run in runs), runs
     assert all(list(run.glob("*.wandb")) for run in runs)  # each run's log, to sync later with `wandb sync`
+
+
+# ---------------------------------------------------------------------- resuming a GPT-2 finetune
+
+M = 2  # finetuning steps before the interruption
+
+
+def finetune_args(init_from, data_dir, out_dir, **overrides):
+    """config/finetune_shakespeare.py from a Hugging Face GPT-2 directory (init_from), made small."""
+    args = dict(init_from=init_from, data_dir=data_dir, out_dir=out_dir, device="cpu", dtype="float32", compile=False,
+                block_size=16, batch_size=2, gradient_accumulation_steps=2, max_iters=M, eval_interval=M,
+                eval_iters=1, log_interval=1, learning_rate=1e-3)
+    args.update(overrides)
+    return [str(ROOT / "config" / "finetune_shakespeare.py")] + [f"--{k}={v}" for k, v in args.items()]
+
+
+def resume_args(data_dir, out_dir, **overrides):
+    """The same command with --init_from=resume. The tiny model's sizes must be said (GPT-2's are the defaults);
+    gelu is left at its default, "none", as a user resuming a GPT-2 finetune leaves it."""
+    return finetune_args("resume", data_dir, out_dir, **({"n_layer": 2, "n_head": 2, "n_embd": 32} | overrides))
+
+
+def test_gpt2_finetune_resumes_exactly_with_its_tanh_gelu(tmp_path, hf_dir, bpe_data):
+    path, _ = hf_dir
+    straight = train(*finetune_args(path, bpe_data, tmp_path / "straight", max_iters=2 * M))
+    first = train(*finetune_args(path, bpe_data, tmp_path / "split", max_iters=M))
+    split = load(tmp_path / "split" / "ckpt.pt")
+    assert split["iter_num"] == M and split["model_config"]["gelu"] == "tanh"  # GPT-2's activation (gelu_new)
+    (tmp_path / "control").mkdir()
+    shutil.copy(tmp_path / "split" / "ckpt.pt", tmp_path / "control" / "ckpt.pt")
+    resumed = train(*resume_args(bpe_data, tmp_path / "split", max_iters=2 * M))
+    assert f"resuming from {tmp_path / 'split'}/ckpt.pt at iteration {M}" in resumed.stdout
+
+    a, b = load(tmp_path / "straight" / "ckpt.pt"), load(tmp_path / "split" / "ckpt.pt")
+    assert a["iter_num"] == b["iter_num"] == 2 * M
+    assert b["model_config"] == a["model_config"] and b["model_config"]["gelu"] == "tanh"
+    for key in ("model", "optimizer", "ranks"):
+        assert_same(a[key], b[key], key)
+    straight_log = logged_losses(straight.stdout)
+    split_log = {**logged_losses(first.stdout), **logged_losses(resumed.stdout)}
+    assert set(straight_log) == {f"iter {i}" for i in range(1, 2 * M + 1)} | {f"step {i}" for i in (0, M, 2 * M)}
+    assert {k: split_log[k] for k in straight_log} == straight_log
+
+    # control, so that the comparison can tell the GELUs apart: the same checkpoint saying gelu "none" resumes
+    # (gelu is not checked against the settings) into other weights
+    ckpt = load(tmp_path / "control" / "ckpt.pt")
+    ckpt["model_config"]["gelu"] = "none"
+    torch.save(ckpt, tmp_path / "control" / "ckpt.pt")
+    train(*resume_args(bpe_data, tmp_path / "control", max_iters=2 * M))
+    c = load(tmp_path / "control" / "ckpt.pt")
+    assert not torch.equal(c["model"]["tok_emb.weight"], a["model"]["tok_emb.weight"])
+
+
+def test_gpt2_finetune_resumes_with_another_dropout_but_not_another_n_layer(tmp_path, hf_dir, bpe_data):
+    out, control, inspected = tmp_path / "out", tmp_path / "control", tmp_path / "inspected"
+    train(*finetune_args(hf_dir[0], bpe_data, out))
+    saved = (out / "ckpt.pt").read_bytes()
+    refused = train(*resume_args(bpe_data, out, max_iters=M + 1, n_layer=1), check=False)
+    assert_one_error_line(refused, "n_layer=2", "asks for 1")
+    assert (out / "ckpt.pt").read_bytes() == saved
+    for copy in (control, inspected):
+        copy.mkdir()
+        (copy / "ckpt.pt").write_bytes(saved)
+
+    # the resumed model has dropout 0.1 in every dropout layer (and attention), and GPT-2's GELU (a Trainer of
+    # its own out_dir: the Trainer claims it)
+    cfg = parse(train_script.TrainConfig, resume_args(bpe_data, inspected, max_iters=M + 1, dropout=0.1))
+    cfg.validate()
+    assert cfg.gelu == "none"  # as the user left it
+    model = train_script.Trainer(cfg).raw_model
+    assert model.config.dropout == 0.1 and model.config.gelu == "tanh"
+    assert cfg.gelu == "tanh" and cfg.dropout == 0.1  # the settings it records now say what it trains
+    dropouts = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts == [0.1] * (1 + 2 * 2)  # the embeddings', and 2 in each of the 2 blocks
+    assert [block.attn.heads.dropout for block in model.blocks] == [0.1, 0.1]
+    assert all(block.ffwd.gelu.approximate == "tanh" for block in model.blocks)
+
+    with_dropout = train(*resume_args(bpe_data, out, max_iters=M + 1, dropout=0.1))
+    without = train(*resume_args(bpe_data, control, max_iters=M + 1))  # dropout 0, as it was finetuned
+    assert "resuming from" in with_dropout.stdout
+    a, b = logged_losses(with_dropout.stdout), logged_losses(without.stdout)
+    # the same weights and batches: the same evaluation at the resumed step (dropout is off there), another
+    # training loss at the first resumed step (dropout is on there)
+    assert a[f"step {M}"] == b[f"step {M}"] and a[f"iter {M + 1}"] != b[f"iter {M + 1}"]
+    with_ckpt, without_ckpt = load(out / "ckpt.pt"), load(control / "ckpt.pt")
+    assert with_ckpt["model_config"]["dropout"] == 0.1 and without_ckpt["model_config"]["dropout"] == 0.0
+    assert with_ckpt["model_config"]["gelu"] == "tanh"
+    assert not torch.equal(with_ckpt["model"]["tok_emb.weight"], without_ckpt["model"]["tok_emb.weight"])
