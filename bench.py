@@ -44,13 +44,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import configurator
-import meta
-from bench_prepare import bench_prepare
-from configurator import setting
-from errors import UserError, run_main
-from hardware import describe as describe_device
-from hardware import peak_flops, pick_dtype
+from machinery import configurator, meta
+from machinery.bench_prepare import bench_prepare
+from machinery.configurator import setting
+from machinery.errors import UserError, run_main
+from machinery.hardware import describe as describe_device
+from machinery.hardware import peak_flops, pick_dtype
 from train import TrainConfig, Trainer
 
 

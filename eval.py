@@ -35,13 +35,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-import checkpoint
-import configurator
-import distributed
-from configurator import setting
-from errors import UserError, first_line, run_main
-from fileio import atomic_write
-from hardware import autocast, pick_dtype
+from machinery import checkpoint, configurator, distributed
+from machinery.configurator import setting
+from machinery.errors import UserError, first_line, run_main
+from machinery.fileio import atomic_write
+from machinery.hardware import autocast, pick_dtype
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_CACHE = os.path.join("data", "hellaswag", "hellaswag_val.jsonl")

@@ -14,11 +14,9 @@ nanoGPT's ckpt.pt exports too (--out_dir=its out_dir --ckpt=latest).
 import sys
 from dataclasses import dataclass
 
-import checkpoint
-import configurator
-import convert
-from configurator import setting
-from errors import UserError, run_main
+from machinery import checkpoint, configurator, convert
+from machinery.configurator import setting
+from machinery.errors import UserError, run_main
 
 USAGE = "python export.py [--out_dir=DIR] [--ckpt=best|latest] [--to=hf] DEST  (DEST: a new or empty directory)"
 

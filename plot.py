@@ -21,11 +21,10 @@ import os
 import sys
 from dataclasses import dataclass
 
-import configurator
-import metrics
-from configurator import setting
-from errors import UserError, run_main
-from fileio import atomic_write
+from machinery import configurator, metrics
+from machinery.configurator import setting
+from machinery.errors import UserError, run_main
+from machinery.fileio import atomic_write
 
 PANEL_INCHES = (6.0, 4.5)  # each panel's width and height
 DPI = 100  # so a panel is 600 x 450 pixels

@@ -20,11 +20,10 @@ from contextlib import ExitStack
 import numpy as np
 from tqdm import tqdm
 
-import corpus
-import meta
-from fileio import atomic_write
-from errors import UserError, run_main
-from tokenizer import CharTokenizer, GPT2Tokenizer
+from machinery import corpus, meta
+from machinery.errors import UserError, run_main
+from machinery.fileio import atomic_write
+from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 CHUNK_BYTES = 4 << 20  # read ~4 MiB of whole lines at a time

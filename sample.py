@@ -22,11 +22,10 @@ from typing import Optional
 
 import torch
 
-import checkpoint
-import configurator
-from configurator import setting
-from errors import UserError, run_main
-from hardware import autocast, pick_device, pick_dtype
+from machinery import checkpoint, configurator
+from machinery.configurator import setting
+from machinery.errors import UserError, run_main
+from machinery.hardware import autocast, pick_device, pick_dtype
 
 @dataclass
 class SampleConfig(checkpoint.ModelSource):

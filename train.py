@@ -22,20 +22,16 @@ from typing import Optional
 import numpy as np
 import torch
 
-import checkpoint
-import configurator
-import convert
-import distributed
-import outdir
-from batches import BatchSampler, check_token_ids, dataset_dir, load_dataset, whole_split_batches
-from configurator import setting
-from errors import UserError, first_line, run_main
 from eval import TrainingHellaSwag
-from hardware import autocast, describe, enable_tf32, grad_scaler, peak_flops, pick_dtype
-from metrics import Metrics
+from machinery import checkpoint, configurator, convert, distributed, outdir
+from machinery.batches import BatchSampler, check_token_ids, dataset_dir, load_dataset, whole_split_batches
+from machinery.configurator import setting
+from machinery.errors import UserError, first_line, run_main
+from machinery.hardware import autocast, describe, enable_tf32, grad_scaler, peak_flops, pick_dtype
+from machinery.metrics import Metrics
+from machinery.stopping import StopFlag
 from model import GPT, GPTConfig
 from optimizers import POLAR_EXPRESS, build_optimizer, set_schedule
-from stopping import StopFlag
 
 
 @dataclass

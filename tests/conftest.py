@@ -157,7 +157,7 @@ def cpu_bf16(request, monkeypatch):
     Returns the dtype auto must then pick (bfloat16 only where the CPU computes it natively)."""
     import torch
 
-    import hardware
+    from machinery import hardware
 
     real = hardware.cpu_native
     monkeypatch.setattr(hardware, "cpu_native", lambda dtype: request.param if dtype == "bfloat16" else real(dtype))
@@ -242,7 +242,7 @@ def run_in_process(main, *args, check=False):
     """Run a script's main(argv) in this process as its `__main__` block does (under errors.run_main), with
     stdout and stderr captured; return (returncode, stdout, stderr) like run(). Much faster than a subprocess;
     an exception that run_main does not turn into `error: ...` fails the test, as a traceback would show."""
-    from errors import run_main
+    from machinery.errors import run_main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group  # noqa: E402
 
+from machinery.errors import UserError, run_main  # noqa: E402
 import train  # noqa: E402
-from errors import UserError, run_main  # noqa: E402
 
 
 @dataclass

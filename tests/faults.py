@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-import checkpoint
-import train
+from machinery import checkpoint
 from model import GPT
+import train
 
 
 def inject(faults, patch=setattr):

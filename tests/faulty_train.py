@@ -11,8 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import faults  # noqa: E402
+from machinery.errors import run_main  # noqa: E402
 import train  # noqa: E402
-from errors import run_main  # noqa: E402
 
 if __name__ == "__main__":
     split = sys.argv.index("--")

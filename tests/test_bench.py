@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import bench
-import bench_prepare
 from conftest import ROOT, assert_one_error_line, make_corpus, run_in_process
-from configurator import UserError
+from machinery import bench_prepare
+from machinery.configurator import UserError
+from machinery.tokenizer import gpt2_encoding
 from model import GPT
-from tokenizer import gpt2_encoding
 
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--device=cpu", "--warmup=1", "--repeats=3"]
 

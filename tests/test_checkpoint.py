@@ -9,13 +9,12 @@ import shutil
 import pytest
 import torch
 
-import fileio
-import checkpoint
+from machinery import checkpoint, fileio
 import faults
+from conftest import assert_one_error_line, run_in_process, tiny_train_args
+from machinery.errors import UserError
 import sample
 import train
-from conftest import assert_one_error_line, run_in_process, tiny_train_args
-from errors import UserError
 
 
 @pytest.fixture(scope="module")

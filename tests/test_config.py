@@ -6,11 +6,11 @@ from typing import Optional
 
 import pytest
 
-import configurator
-import sample
 from conftest import run_in_process, tiny_train_args, train
-from errors import UserError
+from machinery import configurator
+from machinery.errors import UserError
 from optimizers import get_lr
+import sample
 from train import TrainConfig
 
 

@@ -15,11 +15,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import corpus
-import prepare as prepare_script
 from conftest import assert_one_error_line, run_in_process, tiny_train_args, train
-from errors import UserError
-from tokenizer import gpt2_encoding
+from machinery import corpus
+from machinery.errors import UserError
+from machinery.tokenizer import gpt2_encoding
+import prepare as prepare_script
 
 EOT = 50256
 SHARD = 20_000

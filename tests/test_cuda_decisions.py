@@ -13,18 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import distributed
-import hardware
-import optimizers
-import train
-from batches import BatchSampler
-from configurator import parse
 from conftest import assert_one_error_line, tiny_train_args
 from conftest import train as train_in_process
-from distributed import World
-from errors import UserError
+from machinery import checkpoint, distributed, hardware
+from machinery.batches import BatchSampler
+from machinery.configurator import parse
+from machinery.distributed import World
+from machinery.errors import UserError
+import optimizers
 from test_optimizers import newton_schulz_by_hand
+import train
 
 
 class FakeCuda:

@@ -8,11 +8,11 @@ import pickle
 import numpy as np
 import pytest
 
+from conftest import assert_one_error_line, run_in_process, tiny_train_args
 import prepare
 import sample
-import train
-from conftest import assert_one_error_line, run_in_process, tiny_train_args
 from test_nanogpt_import import random_model, write_nanogpt_ckpt
+import train
 
 
 def write_shard(path, tokens, magic=20240520, version=1, count=None):
@@ -93,7 +93,7 @@ def test_ids_beyond_the_vocabulary_that_meta_json_does_not_know_stop_naming_the_
         (other / "train.bin").write_bytes(ids[:-1].astype("<u2").tobytes())
         (other / "val.bin").write_bytes((tiny / "val.bin").read_bytes())
         meta = json.loads((tiny / "meta.json").read_text())
-        import meta as meta_module
+        from machinery import meta as meta_module
 
         meta_module.write(meta_module.DatasetMeta(**meta), other)
         (tiny / "train.bin").write_bytes(bad.astype("<u2").tobytes())
@@ -106,7 +106,7 @@ def test_ids_beyond_the_vocabulary_that_meta_json_does_not_know_stop_naming_the_
 
 
 def test_meta_json_describes_the_files_prepare_wrote_and_no_others(tmp_path, char_data):
-    import meta
+    from machinery import meta
 
     tiny = char_data / "tiny"
     recorded = meta.read(tiny)

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-import distributed
-import train
 from conftest import ROOT, descendants, kill_tree, read_lines, run_in_process, tiny_train_args, wait_for_line
 from dist_worker import Instruments, instrumented_run
-from errors import UserError
+from machinery import distributed
+from machinery.errors import UserError
+import train
 
 WORKER = "tests/dist_worker.py"
 # Every run here computes in float64 (weights and activations: FLOAT64=1, dtype=float32 so no autocast), since

@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 
+from conftest import assert_one_error_line, make_corpus, run, run_in_process, tiny_train_args, train as train_in_process
 import prepare
 import sample
 import train
-from conftest import assert_one_error_line, make_corpus, run, run_in_process, tiny_train_args, train as train_in_process
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,10 @@ import re
 import pytest
 import torch
 
-import eval as evaluation
-import meta
-import metrics
 from conftest import assert_one_error_line, hf_model, run_in_process, tiny_train_args, train
-from tokenizer import GPT2Tokenizer
+import eval as evaluation
+from machinery import meta, metrics
+from machinery.tokenizer import GPT2Tokenizer
 
 BLOCK = 64  # n_positions of the test model
 TOL = 1e-4

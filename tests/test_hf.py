@@ -14,18 +14,17 @@ import torch
 
 from transformers import GPT2LMHeadModel
 
-import checkpoint
-import convert
-import export
-import sample
-import train
-from configurator import parse
 from conftest import ROOT, assert_one_error_line, hf_model, perturb, run_in_process
 from conftest import train as train_in_process
-from errors import UserError
-from meta import DatasetMeta
+import export
+from machinery import checkpoint, convert
+from machinery.configurator import parse
+from machinery.errors import UserError
+from machinery.meta import DatasetMeta
+from machinery.tokenizer import GPT2Tokenizer
 from model import GPT, GPTConfig
-from tokenizer import GPT2Tokenizer
+import sample
+import train
 
 VOCAB = 50257
 TOL = 1e-4  # fp32; the two implementations differ in summation order (and tanh-GELU formula) only

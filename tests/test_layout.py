@@ -1,5 +1,6 @@
-"""The shape of the code: the project's modules import each other as a tree (no cycle, lazy imports
-included), model.py imports nothing of ours, and no function is longer than 60 lines."""
+"""The shape of the code: at the root only the commands and the model (every other module in machinery/, flat);
+every module of ours imports the others as a tree (no cycle, lazy imports included); model.py imports nothing of
+ours; no function is longer than 60 lines."""
 
 import ast
 
@@ -7,18 +8,27 @@ import pytest
 
 from conftest import ROOT
 
-MODULES = sorted(p.stem for p in ROOT.glob("*.py"))
+PACKAGE = "machinery"
+# what a user runs or reads first: the model (and its optimizers, part of the model's story), and the commands
+ROOT_MODULES = {"model", "optimizers", "train", "sample", "prepare", "eval", "export", "plot", "bench", "serve"}
+MODULES = {p.stem: p for p in ROOT.glob("*.py")} | {f"{PACKAGE}.{p.stem}": p for p in (ROOT / PACKAGE).glob("*.py")
+                                                     if p.stem != "__init__"}
 
 
 def project_imports(name):
-    """The project modules that module `name` imports anywhere in its source (inside functions too)."""
-    tree = ast.parse((ROOT / f"{name}.py").read_text(encoding="utf-8"))
+    """The modules of ours that module `name` imports anywhere in its source (inside functions too), by their
+    dotted names: `from machinery import meta`, `import machinery.meta` and `from machinery.meta import x` all
+    count as machinery.meta."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
+            found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            raise AssertionError(f"{name}: relative import; write `from {PACKAGE} import ...`")
     return found & set(MODULES) - {name}
 
 
@@ -45,13 +55,16 @@ def find_cycle(graph):
 
 
 def test_the_walker_finds_imports_at_any_depth_and_cycles():
-    # the check itself, on a made-up graph and on this file's own kind of import
+    # the check itself, on a made-up graph and on this project's kinds of import
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
-    assert "convert" in project_imports("checkpoint") and "model" in project_imports("train")
+    assert "machinery.convert" in project_imports("machinery.checkpoint")  # from machinery import convert
+    assert "model" in project_imports("train")  # from model import GPT
+    assert "machinery.errors" in project_imports("train")  # from machinery.errors import UserError
+    assert "machinery.convert" in project_imports("machinery.checkpoint")
 
 
-def test_the_product_modules_import_each_other_as_a_tree():
+def test_every_module_imports_the_others_as_a_tree():
     graph = {name: project_imports(name) for name in MODULES}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
@@ -60,9 +73,24 @@ def test_model_py_imports_nothing_of_the_project():
     assert project_imports("model") == set()
 
 
-@pytest.mark.parametrize("name", MODULES)
+def test_the_root_holds_the_commands_and_the_model_and_the_package_holds_the_rest():
+    root = {p.stem for p in ROOT.glob("*.py")}
+    assert root <= ROOT_MODULES and len(root) <= 10, sorted(root - ROOT_MODULES)
+    for name in root - {"model", "optimizers"}:  # a command: a main(), run under `if __name__ == "__main__"`
+        tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+        assert any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), name
+        assert any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in tree.body), name
+    package = ROOT / PACKAGE
+    assert (package / "__init__.py").is_file()
+    assert not [p for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"]  # flat inside
+    commands = root - {"model", "optimizers"}
+    for name in [m for m in MODULES if m.startswith(f"{PACKAGE}.")]:  # the machinery is below the commands
+        assert not project_imports(name) & commands, (name, project_imports(name) & commands)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
 def test_no_function_is_longer_than_60_lines(name):
-    tree = ast.parse((ROOT / f"{name}.py").read_text(encoding="utf-8"))
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
     long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
-    assert not long, f"{name}.py: {long}"
+    assert not long, f"{name}: {long}"

@@ -12,9 +12,9 @@ import matplotlib.image as mpimg
 import numpy as np
 from matplotlib.colors import to_rgba
 
-import metrics
-import plot
 from conftest import assert_one_error_line, run_in_process
+from machinery import metrics
+import plot
 
 plt = plot.import_pyplot()  # pyplot on the Agg backend (no screen)
 

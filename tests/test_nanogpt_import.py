@@ -10,14 +10,13 @@ nanoGPT's model.py, independently of convert.py.
 import pytest
 import torch
 
-import checkpoint
-import meta
+from conftest import run_in_process, tiny_train_args
+from machinery import checkpoint, meta
+from machinery.configurator import parse
+from machinery.errors import UserError
+from model import GPT, GPTConfig
 import sample
 import train
-from configurator import parse
-from conftest import run_in_process, tiny_train_args
-from errors import UserError
-from model import GPT, GPTConfig
 
 # our module -> nanoGPT's, inside a block, in nanoGPT's registration order (ln_1, attn, ln_2, mlp)
 BLOCK = [("ln1", "ln_1"), ("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"), ("ln2", "ln_2"),

@@ -7,9 +7,9 @@ from dataclasses import fields
 import pytest
 import torch
 
-import configurator
-import sample
 from conftest import ROOT, make_corpus, run_in_process, tiny_train_args, train
+from machinery import configurator
+import sample
 from train import TrainConfig, Trainer
 
 SEPARATOR = "---------------\n"

@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-import hardware
 from conftest import tiny_train_args, train
+from machinery import hardware
 from model import GPT
 
 # a tiny run; dtype and compile set by each test

@@ -6,12 +6,11 @@ import json
 import numpy as np
 import pytest
 
-import fileio
-import meta as dataset_meta
-import prepare
 from conftest import assert_one_error_line, make_corpus, run, run_in_process
-from errors import UserError
-from tokenizer import CharTokenizer, GPT2Tokenizer
+from machinery import fileio, meta as dataset_meta
+from machinery.errors import UserError
+from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
+import prepare
 
 # Speakers and punctuation, non-ASCII (2-, 3- and 4-byte UTF-8), a CRLF line and a tab:
 # a round trip must give back every byte.

@@ -6,9 +6,9 @@ import shutil
 
 import torch
 
-import train as train_script
-from configurator import parse
 from conftest import ROOT, assert_one_error_line, tiny_train_args, train
+from machinery.configurator import parse
+import train as train_script
 
 N = 6
 

@@ -6,13 +6,13 @@ import sys
 import pytest
 import torch
 
-import checkpoint
-import sample
 from conftest import assert_one_error_line, make_corpus, run_in_process
-from errors import UserError
-from meta import DatasetMeta
+from machinery import checkpoint
+from machinery.errors import UserError
+from machinery.meta import DatasetMeta
+from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig
-from tokenizer import CharTokenizer, GPT2Tokenizer
+import sample
 from train import TrainConfig
 
 BLOCK_SIZE = 32

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-import shards
-from batches import BatchSampler
-from errors import UserError
-from meta import from_path as read_meta_file
+from machinery import shards
+from machinery.batches import BatchSampler
+from machinery.errors import UserError
+from machinery.meta import from_path as read_meta_file
 
 
 def one_line(excinfo, *words):

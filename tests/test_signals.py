@@ -16,7 +16,7 @@ import torch
 
 from conftest import (ROOT, assert_one_error_line, finish, kill_tree, read_lines, tiny_train_args, train,
                       wait_for_line)
-from stopping import StopFlag
+from machinery.stopping import StopFlag
 
 
 def start(spawn, script, *args):
@@ -135,9 +135,9 @@ def test_a_second_run_on_an_out_dir_in_use_stops_naming_the_first_and_writes_not
 
 
 def test_the_lock_is_released_when_a_run_ends_in_this_process(tmp_path, char_data, monkeypatch):
-    import outdir
+    from machinery import outdir
     import train as train_script
-    from errors import UserError
+    from machinery.errors import UserError
 
     out = tmp_path / "out"
     held = outdir.claim(str(out))  # another holder (flock: another open file, even in this process)

@@ -6,14 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import configurator
-import distributed
-import train
-from batches import load_split, whole_split_batches
 from conftest import ROOT, run_in_process, tiny_train_args
+from machinery import configurator, distributed
+from machinery.batches import load_split, whole_split_batches
+from machinery.stopping import StopFlag
 from model import GPT, GPTConfig
 from optimizers import build_optimizer
-from stopping import StopFlag
+import train
 
 
 @pytest.mark.parametrize("n_tokens, block_size, batch_size", [(101, 10, 3), (100, 10, 4), (11, 10, 1)])

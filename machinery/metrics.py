@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import asdict
 
-from fileio import atomic_write
+from machinery.fileio import atomic_write
 
 FILENAME = "metrics.jsonl"
 

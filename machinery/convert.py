@@ -32,12 +32,12 @@ import re
 
 import torch
 
-import meta
-from errors import UserError
-from fileio import atomic_write
+from machinery import meta
+from machinery.errors import UserError
+from machinery.fileio import atomic_write
+from machinery.tokenizer import GPT2_EOT
 from model import GPT, GPT2_NAMES, GPTConfig, find_gpt2
 from model import from_gpt2_layout as _from_gpt2_layout
-from tokenizer import GPT2_EOT
 
 # the inverse of model.GPT2_NAMES, for writing GPT-2's layout
 _TO_GPT2 = {ours: theirs for theirs, ours in GPT2_NAMES.items()}

@@ -37,11 +37,10 @@ from contextlib import closing
 import numpy as np
 from tqdm import tqdm
 
-import meta
-import shards
-from errors import UserError
-from fileio import atomic_write, remove_stale_temps
-from tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE, gpt2_encoding
+from machinery import meta, shards
+from machinery.errors import UserError
+from machinery.fileio import atomic_write, remove_stale_temps
+from machinery.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE, gpt2_encoding
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 VAL_PERCENT = 10  # validation's share of a corpus under two shards (prepare.py's --val_fraction for a text file)

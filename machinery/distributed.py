@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from errors import UserError
-from hardware import pick_device
+from machinery.errors import UserError
+from machinery.hardware import pick_device
 
 
 @dataclass

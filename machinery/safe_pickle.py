@@ -17,7 +17,7 @@ import pickle
 import re
 import zipfile
 
-from errors import UserError, first_line
+from machinery.errors import UserError, first_line
 
 # what the weights_only unpickler says when a file asks it to build an object or call a function
 _UNSAFE_SIGNS = ("GLOBAL", "unrecognized function", "Can only create new object", "Can only build")

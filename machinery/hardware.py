@@ -16,7 +16,7 @@ from contextlib import nullcontext
 
 import torch
 
-from errors import UserError
+from machinery.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

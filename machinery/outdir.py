@@ -19,8 +19,8 @@ import socket
 import sys
 import time
 
-from errors import UserError
-from fileio import atomic_write, remove_stale_temps
+from machinery.errors import UserError
+from machinery.fileio import atomic_write, remove_stale_temps
 
 try:
     import fcntl

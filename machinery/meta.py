@@ -14,10 +14,10 @@ import os
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
-from fileio import atomic_write, read_json_object
-from safe_pickle import read_plain_pickle
-from errors import UserError
-from tokenizer import GPT2_VOCAB_SIZE, CharTokenizer, GPT2Tokenizer
+from machinery.errors import UserError
+from machinery.fileio import atomic_write, read_json_object
+from machinery.safe_pickle import read_plain_pickle
+from machinery.tokenizer import GPT2_VOCAB_SIZE, CharTokenizer, GPT2Tokenizer
 
 FILENAME = "meta.json"
 NANOGPT_PICKLE = "meta.pkl"  # what nanoGPT's prepare scripts write

@@ -14,7 +14,7 @@ import signal
 
 import torch
 
-from distributed import all_reduce
+from machinery.distributed import all_reduce
 
 
 class StopFlag:

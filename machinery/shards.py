@@ -23,8 +23,8 @@ import re
 
 import numpy as np
 
-from errors import UserError
-from fileio import atomic_write
+from machinery.errors import UserError
+from machinery.fileio import atomic_write
 
 MAGIC = 20240520
 VERSION = 1

@@ -20,9 +20,8 @@ import os
 import numpy as np
 import torch
 
-import meta
-import shards
-from errors import UserError
+from machinery import meta, shards
+from machinery.errors import UserError
 
 
 def dataset_dir(data_dir, dataset):

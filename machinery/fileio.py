@@ -15,7 +15,7 @@ import json
 import os
 from contextlib import contextmanager
 
-from errors import UserError
+from machinery.errors import UserError
 
 
 def temp_path(path):

@@ -35,9 +35,9 @@ from typing import Optional
 
 import torch
 
-import corpus
-from errors import UserError
-from tokenizer import gpt2_encoding
+from machinery import corpus
+from machinery.errors import UserError
+from machinery.tokenizer import gpt2_encoding
 
 SYNTHETIC_DOC_LINES = 60  # documents of ~2.5 kB from Tiny Shakespeare
 BASELINE_BATCH_DOCS = 8192  # documents per encode_ordinary_batch call

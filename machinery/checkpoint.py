@@ -26,13 +26,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-import convert
-import meta
-from configurator import setting
-from fileio import atomic_write
-from errors import UserError
+from machinery import convert, meta
+from machinery.configurator import setting
+from machinery.errors import UserError
+from machinery.fileio import atomic_write
+from machinery.safe_pickle import torch_load
 from model import GPT, GPTConfig
-from safe_pickle import torch_load
 
 LATEST = "ckpt.pt"
 BEST = "best.pt"

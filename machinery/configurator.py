@@ -18,7 +18,7 @@ import dataclasses
 import sys
 import typing
 
-from errors import UserError
+from machinery.errors import UserError
 
 
 def setting(default, help):

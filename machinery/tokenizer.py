@@ -12,7 +12,7 @@ sha256 against the hashes of its own gpt2 definition.
 
 import os
 
-from errors import UserError
+from machinery.errors import UserError
 
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
