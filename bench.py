@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from machinery import configurator, meta
+from machinery import configurator, dataset, meta
 from machinery.bench_prepare import bench_prepare
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
@@ -100,14 +100,14 @@ class BenchConfig(TrainConfig):
 def make_trainer(cfg, workdir, compile):
     """train.py's Trainer on a dataset of random tokens written to workdir: the model, device,
     dtype, autocast and optimizer exactly as a training run with these settings would have them."""
-    prepared = meta.read(os.path.join(cfg.data_dir, cfg.dataset))  # the real vocabulary, if prepared
-    vocab = cfg.vocab_size or (prepared.vocab_size if prepared else 50304)
+    # the vocabulary a training run on the configured dataset would have (GPT-2's when it is not prepared)
+    vocab = cfg.vocab_size or meta.for_dataset(dataset.resolve(cfg.data_dir, cfg.dataset)).model_vocab_size
     data_dir = os.path.join(workdir, "random")
     os.makedirs(data_dir)
     tokens = np.random.default_rng(cfg.seed).integers(0, vocab, size=64 * (cfg.block_size + 1), dtype=np.uint16)
     for split in ("train", "val"):
         tokens.tofile(os.path.join(data_dir, f"{split}.bin"))
-    meta.write(meta.DatasetMeta(tokenizer=None, vocab_size=vocab), data_dir)  # token ids without text
+    meta.write(meta.DatasetMeta.of(None, vocab_size=vocab), data_dir)  # token ids without text
     run_cfg = dataclasses.replace(cfg, data_dir=workdir, dataset="random", out_dir=os.path.join(workdir, "out"),
                                   vocab_size=vocab, init_from="scratch", wandb_log=False, compile=compile)
     return Trainer(run_cfg)

@@ -14,7 +14,7 @@ nanoGPT's ckpt.pt exports too (--out_dir=its out_dir --ckpt=latest).
 import sys
 from dataclasses import dataclass
 
-from machinery import checkpoint, configurator, convert
+from machinery import configurator, convert, loading
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 
@@ -22,9 +22,7 @@ USAGE = "python export.py [--out_dir=DIR] [--ckpt=best|latest] [--to=hf] DEST  (
 
 
 @dataclass
-class ExportConfig:
-    out_dir: str = setting("out", "training output directory (or a checkpoint file) to export")
-    ckpt: str = setting("best", "best (best.pt) or latest (ckpt.pt)")
+class ExportConfig(loading.ModelSource):
     to: str = setting("hf", "format: hf (Hugging Face GPT2LMHeadModel: config.json + model.safetensors in DEST)")
 
 
@@ -36,13 +34,11 @@ def main(argv=None):
         raise UserError(f"give one destination directory: {USAGE}")
     if cfg.to != "hf":
         raise UserError(f"--to must be hf (Hugging Face GPT-2), got {cfg.to!r}")
-    if cfg.ckpt not in ("best", "latest"):
-        raise UserError(f"ckpt must be best or latest, got {cfg.ckpt!r}")
-    path = checkpoint.find(cfg.out_dir, cfg.ckpt)
-    ckpt = checkpoint.load(path)
-    config, tensors = convert.to_hf(ckpt.build_model(), ckpt.meta)
-    convert.write_hf(dests[0], config, tensors, ckpt.meta)
-    print(f"wrote {dests[0]}/config.json and model.safetensors from {path}")
+    cfg.validate()
+    loaded = loading.load(cfg)  # on the CPU, in float32
+    config, tensors = convert.to_hf(loaded.model, loaded.data_meta)
+    convert.write_hf(dests[0], config, tensors, loaded.data_meta)
+    print(f"wrote {dests[0]}/config.json and model.safetensors from {cfg.name}")
 
 
 if __name__ == "__main__":

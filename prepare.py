@@ -20,7 +20,7 @@ from contextlib import ExitStack
 import numpy as np
 from tqdm import tqdm
 
-from machinery import corpus, meta
+from machinery import corpus, dataset, meta
 from machinery.errors import UserError, run_main
 from machinery.fileio import atomic_write
 from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -115,7 +115,7 @@ def write_tokens(input_path, tok, bins, split_at, n_chars):
 
 def download_shakespeare(data_dir):
     """Tiny Shakespeare, downloaded once into data/shakespeare_char/input.txt."""
-    path = os.path.join(data_dir, "shakespeare_char", "input.txt")
+    path = os.path.join(dataset.resolve(data_dir, "shakespeare_char"), "input.txt")
     if os.path.isfile(path):
         return path
     try:
@@ -139,16 +139,17 @@ class OneLineParser(argparse.ArgumentParser):
 def main(argv=None):
     p = OneLineParser(description="Prepare a corpus for train.py: data/NAME/train.bin, val.bin and meta.json for a "
                                   "text file; llm.c token shards for large corpora (openwebtext, fineweb_edu).")
-    p.add_argument("dataset", choices=["shakespeare_char", "shakespeare", "text", "openwebtext", "fineweb_edu"],
-                   help="shakespeare_char: Tiny Shakespeare by character; shakespeare: Tiny Shakespeare in GPT-2 BPE; "
+    p.add_argument("corpus", choices=["shakespeare_char", "shakespeare", "text", "openwebtext", "fineweb_edu"],
+                   help="which corpus to prepare: shakespeare_char: Tiny Shakespeare by character; shakespeare: Tiny Shakespeare in GPT-2 BPE; "
                         "text: any UTF-8 file, or a directory of documents, given with --input; openwebtext, "
                         "fineweb_edu: GPT-2 token shards, from the Hugging Face hub or --input")
     p.add_argument("--input", help="local text file (for shakespeare*: skips the download); for text, openwebtext and "
                                    "fineweb_edu, a directory or file of documents (.parquet with a text column, "
                                    ".jsonl[.gz] with a \"text\" field, .txt files of one document each)")
-    p.add_argument("--name", help="dataset name: output in DATA_DIR/NAME (a plain name, not a path)")
+    p.add_argument("--name", help="the dataset's name: output in DATA_DIR/NAME (a plain name, not a path; default: "
+                                  "the corpus's)")
     p.add_argument("--tokenizer", choices=["char", "gpt2"], default="char", help="for a `text` file (default char)")
-    p.add_argument("--data_dir", default="data", help="where datasets live (default: data)")
+    p.add_argument("--data_dir", default=dataset.DATA_DIR, help=f"where datasets live (default: {dataset.DATA_DIR})")
     p.add_argument("--val_fraction", type=float, default=0.1, help="share of a text file kept for validation")
     p.add_argument("--subset", help="fineweb_edu: the hub subset (default sample-10BT; e.g. sample-100BT, "
                                     "CC-MAIN-2024-10)")
@@ -160,18 +161,18 @@ def main(argv=None):
 
     if args.name is not None:
         corpus.check_name(args.name)  # nothing is ever written outside data_dir
-    if args.dataset in corpus.HUB_DATASETS or (args.dataset == "text" and args.input and os.path.isdir(args.input)):
-        corpus.prepare_from_cli(args.dataset, args.data_dir, args.name, args.input, args.subset, args.num_proc,
+    if args.corpus in corpus.HUB_CORPORA or (args.corpus == "text" and args.input and os.path.isdir(args.input)):
+        corpus.prepare_from_cli(args.corpus, args.data_dir, args.name, args.input, args.subset, args.num_proc,
                                 args.shard_tokens)
         return
-    if args.dataset == "text":
+    if args.corpus == "text":
         if not args.input or not args.name:
             raise UserError("`text` needs --input PATH and --name NAME")
         name, kind = args.name, args.tokenizer
     else:
-        name, kind = args.dataset, "char" if args.dataset == "shakespeare_char" else "gpt2"
+        name, kind = args.corpus, "char" if args.corpus == "shakespeare_char" else "gpt2"
     input_path = args.input or download_shakespeare(args.data_dir)
-    prepare(input_path, os.path.join(args.data_dir, name), kind, args.val_fraction)
+    prepare(input_path, dataset.resolve(args.data_dir, name), kind, args.val_fraction)
 
 
 if __name__ == "__main__":

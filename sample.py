@@ -22,13 +22,13 @@ from typing import Optional
 
 import torch
 
-from machinery import checkpoint, configurator
+from machinery import configurator, loading
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
-from machinery.hardware import autocast, pick_device, pick_dtype
+
 
 @dataclass
-class SampleConfig(checkpoint.ModelSource):
+class SampleConfig(loading.RunSource):
     start: str = setting("\n", "prompt text, or FILE:path to read the prompt from a file")
     num_samples: int = setting(10, "samples to draw (generated together as one batch)")
     max_new_tokens: int = setting(500, "tokens to generate per sample")
@@ -39,8 +39,6 @@ class SampleConfig(checkpoint.ModelSource):
                                         "blank line: --stop=$'\\n\\n' in bash); the text is cut there. BPE models "
                                         "also stop at <|endoftext|>")
     seed: int = setting(1337, "random seed")
-    device: str = setting("auto", "auto, cpu, cuda, cuda:N or mps")
-    dtype: str = setting("auto", "auto, float32, bfloat16 or float16")
     compile: bool = setting(False, "torch.compile the model")
     use_cache: bool = setting(True, "KV cache (False: re-run the whole context for every token, as nanoGPT)")
     stream: bool = setting(True, "print the first sample as it is produced (the batch is generated together: "
@@ -137,9 +135,12 @@ def encode(tokenizer, text, what):
 def main(argv=None):
     cfg = configurator.parse(SampleConfig, argv, usage="python sample.py [--key=value ...]", extra_files_ok=False)
     cfg.validate()
-    device = pick_device(cfg.device)
-    dtype = pick_dtype(cfg.dtype, device)
-    model, tokenizer = load_for_sampling(cfg, device)
+    loaded = loading.load_run(cfg)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if cfg.compile:
+        # in place, so that generate's calls to the model run compiled (torch.compile(model) would return
+        # a wrapper whose generate calls the original); dynamic shapes: no recompile per prompt length
+        model.compile(dynamic=True)
     prompt = read_prompt(cfg.start)
     if not prompt:
         raise UserError("the prompt is empty; give some text with --start")
@@ -150,19 +151,8 @@ def main(argv=None):
         ids = ids[-block_size:]
     if cfg.stop is not None:
         encode(tokenizer, cfg.stop, "--stop")  # text the model cannot produce would never stop a sample
-    with torch.no_grad(), autocast(device, dtype):
-        print_samples(cfg, model, tokenizer, prompt, torch.tensor(ids, dtype=torch.long, device=device))
-
-
-def load_for_sampling(cfg, device):
-    """The model (in eval mode, on device, compiled if asked) and its tokenizer."""
-    model, tokenizer = checkpoint.load_model(cfg)
-    model.eval().to(device)
-    if cfg.compile:
-        # in place, so that generate's calls to the model run compiled (torch.compile(model) would return
-        # a wrapper whose generate calls the original); dynamic shapes: no recompile per prompt length
-        model.compile(dynamic=True)
-    return model, tokenizer
+    with torch.no_grad(), loaded.autocast:
+        print_samples(cfg, model, tokenizer, prompt, torch.tensor(ids, dtype=torch.long, device=loaded.device))
 
 
 def print_samples(cfg, model, tokenizer, prompt, ids):

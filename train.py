@@ -22,13 +22,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-from eval import TrainingHellaSwag
-from machinery import checkpoint, configurator, convert, distributed, outdir
-from machinery.batches import BatchSampler, check_token_ids, dataset_dir, load_dataset, whole_split_batches
+from machinery import checkpoint, configurator, convert, dataset, distributed, meta, outdir
+from machinery.batches import BatchSampler, whole_split_batches
 from machinery.configurator import setting
+from machinery.dataset import DATA_DIR
 from machinery.errors import UserError, first_line, run_main
-from machinery.hardware import autocast, describe, enable_tf32, grad_scaler, peak_flops, pick_dtype
+from machinery.hardware import (autocast, describe, device_setting, dtype_setting, enable_tf32, grad_scaler,
+                                peak_flops, pick_dtype)
 from machinery.metrics import Metrics
+from machinery.scoring import TrainingHellaSwag
 from machinery.stopping import StopFlag
 from model import GPT, GPTConfig
 from optimizers import POLAR_EXPRESS, build_optimizer, set_schedule
@@ -58,7 +60,7 @@ class TrainConfig:
     # data
     dataset: str = setting("openwebtext", "dataset name (DATA_DIR/DATASET) or a directory path: {train,val}.bin or "
                                           "llm.c shards *_{train,val}_*.bin")
-    data_dir: str = setting("data", "directory holding the datasets")
+    data_dir: str = setting(DATA_DIR, "directory holding the datasets")
     gradient_accumulation_steps: int = setting(40, "micro-batches per optimizer step, over all processes together")
     batch_size: int = setting(12, "sequences per micro-batch per process")
     block_size: int = setting(1024, "context length in tokens")
@@ -90,9 +92,8 @@ class TrainConfig:
     lr_decay_iters: int = setting(600000, "step at which the cosine reaches min_lr (about max_iters)")
     min_lr: float = setting(6e-5, "final learning rate (about learning_rate / 10)")
     # system
-    device: str = setting("auto", "auto (cuda, mps, cpu), cpu, cuda, cuda:N or mps")
-    dtype: str = setting("auto", "auto (bfloat16 where the GPU or CPU computes it natively, float16 on older GPUs, "
-                                 "else float32), float32, bfloat16, float16")
+    device: str = device_setting()
+    dtype: str = dtype_setting()
     compile: Optional[bool] = setting(None, "torch.compile the model (None: on for CUDA)")
     parallel: str = setting("ddp", "under torchrun: ddp (replicate the model) or fsdp (shard it)")
     seed: int = setting(1337, "random seed")
@@ -119,7 +120,8 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise UserError(f"{name} must be one of {', '.join(map(str, allowed))}, got {getattr(self, name)!r}")
         try:
-            self.gpt_config(self.vocab_size if self.vocab_size is not None else 50304).validate()
+            # (the vocabulary is the dataset's, not known yet: GPT-2's stands in)
+            self.gpt_config(self.vocab_size or meta.DatasetMeta.gpt2().model_vocab_size).validate()
         except ValueError as e:
             raise UserError(str(e)) from None
         if self.init_from not in ("scratch", "resume"):
@@ -154,18 +156,18 @@ class Trainer:
         self.log = print if self.world.is_master else (lambda *a, **k: None)
         self.accum = distributed.micro_steps(cfg.gradient_accumulation_steps, self.world)  # on this rank
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-        data_dir = dataset_dir(cfg.data_dir, cfg.dataset)
-        self.meta, self.train_data, self.val_data = load_dataset(data_dir, cfg.block_size)
-        self.hellaswag = TrainingHellaSwag(cfg, self.meta, self.device, self.autocast, self.log)
+        self.dataset = dataset.load(dataset.resolve(cfg.data_dir, cfg.dataset), cfg.block_size)
+        self.data_meta = self.dataset.data_meta
+        self.hellaswag = TrainingHellaSwag(cfg, self.data_meta, self.device, self.autocast, self.log, self.world)
         enable_tf32(self.device_type)
 
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         ckpt = checkpoint.load(f"{cfg.out_dir}/{checkpoint.LATEST}") if cfg.init_from == "resume" else None
         self.raw_model = self._build_model(ckpt).to(self.device)
         self.model_config = self.raw_model.config
-        if check_token_ids(self.meta, data_dir, (self.train_data, self.val_data), self.model_config.vocab_size):
-            self.log(f"checked every token id of {data_dir} ({len(self.train_data) + len(self.val_data):,} tokens): "
-                     f"no meta.json describes its files as they are now")
+        if self.dataset.check_token_ids(self.model_config.vocab_size):
+            self.log(f"checked every token id of {self.dataset.directory}: no meta.json describes its files as they "
+                     f"are now")
         if self.world.distributed and cfg.parallel == "fsdp":
             distributed.shard(self.raw_model)
         self.optimizer = build_optimizer(self.raw_model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay,
@@ -175,11 +177,13 @@ class Trainer:
         # a non-finite loss is recorded on the device (no sync every step) and checked when logging/saving
         self.nonfinite_at = torch.full((), -1, dtype=torch.long, device=self.device)
         self.train_sampler = self._sampler()
+        self.batch_state = self.train_sampler.state_dict()  # (the sampler's state before the batch fetched last)
         torch.manual_seed(cfg.seed + self.world.rank)  # dropout differs between ranks
         random.seed(cfg.seed + self.world.rank)
         np.random.seed(cfg.seed + self.world.rank)
         self.iter_num, self.best_val_loss, self.wandb_run_id, self.saved_at = 0, float("inf"), None, {}
-        self.resumed_from, self.metrics = None, None
+        self.resumed_from, self.metrics = None, None  # (the metrics are opened when training starts)
+        self.flops_peak, self.running_mfu = peak_flops(self.device), -1.0  # for MFU, on GPUs we know
         if ckpt:
             self._restore(ckpt)
         self.model = self._wrap(self.raw_model)
@@ -196,7 +200,6 @@ class Trainer:
         self.metrics = Metrics(cfg, self.resumed_from, self._eval_due(0), self.wandb_run_id) \
             if self.world.is_master else None
         self.wandb_run_id = (self.metrics and self.metrics.wandb_run_id) or self.wandb_run_id
-        self.flops_peak, self.running_mfu = peak_flops(self.device), -1.0
         stop = StopFlag()
         try:
             x, y = self.next_batch()
@@ -316,7 +319,7 @@ class Trainer:
         cfg, world = self.cfg, self.world
         self.model.eval()
         out = {}
-        for split, data in (("train", self.train_data), ("val", self.val_data)):
+        for split, data in (("train", self.dataset.train), ("val", self.dataset.val)):
             if split == "val" and cfg.eval_whole_val:
                 batches = whole_split_batches(data, cfg.batch_size, cfg.block_size, self.device, world.rank, world.size)
             else:
@@ -340,7 +343,7 @@ class Trainer:
         # a finite loss can still come with an overflowing gradient that turned the weights into NaN
         if not all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
             raise UserError(f"the weights became NaN or infinite by iteration {self.iter_num}; {self._no_save}")
-        state = checkpoint.training_state(weights, self.model_config, self.cfg, self.meta, self.iter_num,
+        state = checkpoint.training_state(weights, self.model_config, self.cfg, self.data_meta, self.iter_num,
                                           self.best_val_loss)
         if which == checkpoint.LATEST:
             # the sampler state from before the batch already fetched, so a resumed run fetches it again
@@ -372,18 +375,19 @@ class Trainer:
         """A new model (scratch), the checkpoint's (resume), or GPT-2's weights to finetune."""
         cfg = self.cfg
         if cfg.init_from not in ("scratch", "resume"):
-            model = convert.load_for_finetune(cfg.init_from, self.meta, cfg.dataset, cfg.block_size, cfg.dropout)
+            model = convert.load_for_finetune(cfg.init_from, self.data_meta, cfg.dataset, cfg.block_size, cfg.dropout)
             mc = self._settings_from(model.config)
             self.log(f"initialized from {cfg.init_from}: n_layer={mc.n_layer}, n_head={mc.n_head}, n_embd={mc.n_embd}, "
                      f"vocab_size={mc.vocab_size}, block_size={mc.block_size}, bias={mc.bias}, gelu={mc.gelu}")
             return model
         if ckpt is None:
             # GPT-2's 50257 tokens padded up to a multiple of 64 (faster matmuls), as nanoGPT does
-            vocab = cfg.vocab_size or (50304 if self.meta.tokenizer == "gpt2" else self.meta.vocab_size)
-            if vocab < self.meta.vocab_size:
-                raise UserError(f"vocab_size {vocab} is smaller than the dataset's vocabulary ({self.meta.vocab_size})")
+            vocab = cfg.vocab_size or self.data_meta.model_vocab_size
+            if vocab < self.data_meta.vocab_size:
+                raise UserError(f"vocab_size {vocab} is smaller than the dataset's vocabulary "
+                                f"({self.data_meta.vocab_size})")
             return GPT(cfg.gpt_config(vocab))
-        ckpt.check_resume(cfg, self.meta)
+        ckpt.check_resume(cfg, self.data_meta)
         mc = ckpt.model_config
         mc.dropout = cfg.dropout  # dropout may change on resume
         model = GPT(self._settings_from(mc))
@@ -407,7 +411,7 @@ class Trainer:
             generator.set_state(torch.get_rng_state())
         else:
             generator.manual_seed(self.cfg.seed + 1000 * self.world.rank + 1)
-        return BatchSampler(self.train_data, self.cfg.batch_size, self.cfg.block_size, generator, self.device)
+        return BatchSampler(self.dataset.train, self.cfg.batch_size, self.cfg.block_size, generator, self.device)
 
     def _restore(self, ckpt):
         checkpoint.load_optimizer_state(self.raw_model, self.optimizer, ckpt.optimizer_state,

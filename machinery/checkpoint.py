@@ -19,15 +19,12 @@ under any other and loads in a single-process sample.py.
 
 import os
 import random
-import sys
-from dataclasses import asdict, dataclass, fields
-from typing import Optional
+from dataclasses import asdict, fields
 
 import numpy as np
 import torch
 
 from machinery import convert, meta
-from machinery.configurator import setting
 from machinery.errors import UserError
 from machinery.fileio import atomic_write
 from machinery.safe_pickle import torch_load
@@ -68,7 +65,7 @@ class Checkpoint:
         convert.load_weights(model, self._state["model"])
 
     @property
-    def meta(self):
+    def data_meta(self):
         """The dataset metadata (tokenizer) it was trained with; None in nanoGPT's checkpoints."""
         saved = self._state.get("meta") or self._state.get("tokenizer")  # "tokenizer": our earlier name
         return meta.DatasetMeta.from_dict(saved, self.path) if saved else None
@@ -111,8 +108,8 @@ class Checkpoint:
         if mc.vocab_size < data_meta.vocab_size:
             raise UserError(f"{self.path} has vocab_size={mc.vocab_size} but dataset {cfg.dataset} needs "
                             f"{data_meta.vocab_size}; resume on the dataset it was trained on")
-        if self.meta is not None and not self.meta.same_tokens(data_meta):
-            raise UserError(f"{self.path} was trained on data with other tokens ({self.meta.tokenizer} with a "
+        if self.data_meta is not None and not self.data_meta.same_tokens(data_meta):
+            raise UserError(f"{self.path} was trained on data with other tokens ({self.data_meta.tokenizer} with a "
                             f"different character vocabulary) than dataset {cfg.dataset}; resume on the dataset "
                             f"it was trained on")
 
@@ -256,42 +253,3 @@ def _from_nanogpt(state, path):
     if isinstance(out.get("best_val_loss"), torch.Tensor):  # nanoGPT stores it as a 0-d tensor
         out["best_val_loss"] = out["best_val_loss"].item()
     return out
-
-
-@dataclass
-class ModelSource:
-    """The settings that pick a trained model to use (sample.py's and eval.py's settings begin with these)."""
-
-    init_from: str = setting("resume", "resume (the checkpoint in out_dir), a GPT-2 size (gpt2, gpt2-medium, "
-                                       "gpt2-large, gpt2-xl: from the local Hugging Face cache) or a Hugging Face "
-                                       "GPT-2 directory")
-    out_dir: str = setting("out", "training output directory (or a checkpoint file) to load")
-    meta: Optional[str] = setting(None, "tokenizer for checkpoints without one (nanoGPT, Hugging Face): a "
-                                        "meta.json from prepare.py or its dataset directory")
-    ckpt: str = setting("best", "best (best val loss, best.pt) or latest (ckpt.pt)")
-
-    def validate(self):
-        if self.ckpt not in ("best", "latest"):
-            raise UserError(f"ckpt must be best or latest, got {self.ckpt!r}")
-
-
-def load_model(source):
-    """The model source (a ModelSource) names, on the CPU, and its tokenizer:
-    init_from=resume: the checkpoint in out_dir (best or latest); else GPT-2 weights (convert.py).
-    --meta overrides the tokenizer; a checkpoint without one (nanoGPT's) uses its dataset's
-    meta.json, else GPT-2 BPE, and says so on stderr."""
-    if source.init_from == "resume":
-        ckpt = load(find(source.out_dir, source.ckpt))
-        model, data_meta = ckpt.build_model(), ckpt.meta
-        if data_meta is None and source.meta is None:
-            data_meta, found = meta.for_nanogpt(ckpt.dataset)
-            print(f"note: the checkpoint records no tokenizer; using {found} (--meta picks another)", file=sys.stderr)
-    else:
-        model, data_meta = convert.load_hf(source.init_from), convert.pretrained_meta(source.init_from)
-    if source.meta is not None:
-        data_meta = meta.from_path(source.meta)
-    tokenizer = data_meta.make_tokenizer()
-    if tokenizer.vocab_size > model.config.vocab_size:  # its ids would index past the embedding
-        raise UserError(f"the model has {model.config.vocab_size} tokens but the {tokenizer.kind} tokenizer has "
-                        f"{tokenizer.vocab_size}: it was trained with another one; give its meta.json with --meta")
-    return model, tokenizer

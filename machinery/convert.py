@@ -175,6 +175,6 @@ def write_hf(directory, config, tensors, data_meta=None):
         with atomic_write(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, ensure_ascii=False)
         if data_meta is not None:
-            meta.write(meta.DatasetMeta(data_meta.tokenizer, data_meta.vocab_size, data_meta.chars), directory)
+            meta.write(meta.DatasetMeta.of(data_meta.make_tokenizer()), directory)  # the tokenizer, not the data
     except OSError as e:
         raise UserError(f"cannot write to {directory} ({e.strerror}); pick another directory") from None

@@ -37,10 +37,10 @@ from contextlib import closing
 import numpy as np
 from tqdm import tqdm
 
-from machinery import meta, shards
+from machinery import dataset, meta, shards
 from machinery.errors import UserError
 from machinery.fileio import atomic_write, remove_stale_temps
-from machinery.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE, gpt2_encoding
+from machinery.tokenizer import GPT2_EOT, gpt2_encoding
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 VAL_PERCENT = 10  # validation's share of a corpus under two shards (prepare.py's --val_fraction for a text file)
@@ -52,7 +52,7 @@ PARQUET_BUFFER_BYTES = 1 << 20
 PROGRESS_FILE = "prepare_progress.json"
 PYARROW_HINT = "pip install pyarrow==26.0.1"
 HUB_HINT = "pip install huggingface_hub==2.4.0"
-HUB_DATASETS = {  # prepare.py mode -> (hub repository, default subset)
+HUB_CORPORA = {  # prepare.py's corpus -> (hub repository, default subset)
     "fineweb_edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT"),
     "openwebtext": ("Skylion007/openwebtext", None),
 }
@@ -341,10 +341,9 @@ def load_progress(out_dir, name, description, shard_tokens):
 def dataset_meta(state):
     """The DatasetMeta of a finished preparation."""
     records = state["shards"]
-    return meta.DatasetMeta(tokenizer="gpt2", vocab_size=GPT2_VOCAB_SIZE, val_tokens=records[0]["tokens"],
-                            train_tokens=sum(r["tokens"] for r in records[1:]),
-                            max_token_id=max(r["max_token_id"] for r in records), documents=state["documents"],
-                            shards=len(records), source=state["source"])
+    return meta.DatasetMeta.gpt2(val_tokens=records[0]["tokens"], train_tokens=sum(r["tokens"] for r in records[1:]),
+                                 max_token_id=max(r["max_token_id"] for r in records), documents=state["documents"],
+                                 shards=len(records), source=state["source"])
 
 
 def small_corpus_val_tokens(total, description):
@@ -520,18 +519,18 @@ def prepare_corpus(source, out_dir, name, shard_tokens=DEFAULT_SHARD_TOKENS, num
     return prepared
 
 
-def prepare_from_cli(dataset, data_dir, name=None, input_path=None, subset=None, num_proc=None,
+def prepare_from_cli(corpus, data_dir, name=None, input_path=None, subset=None, num_proc=None,
                      shard_tokens=DEFAULT_SHARD_TOKENS):
-    """prepare.py's openwebtext / fineweb_edu / `text --input DIR` modes."""
-    if dataset == "text":
+    """prepare.py's openwebtext / fineweb_edu / `text --input DIR` corpora, into the dataset data_dir/name."""
+    if corpus == "text":
         if not input_path or not name:
             raise UserError("`text` with a directory needs --input DIR and --name NAME")
         check_name(name)
         source = LocalSource(input_path)
-    elif dataset in HUB_DATASETS:
-        repo_id, default_subset = HUB_DATASETS[dataset]
-        name = check_name(name or (dataset if dataset != "fineweb_edu" or not subset else f"fineweb_edu_{subset}"))
+    elif corpus in HUB_CORPORA:
+        repo_id, default_subset = HUB_CORPORA[corpus]
+        name = check_name(name or (corpus if corpus != "fineweb_edu" or not subset else f"fineweb_edu_{subset}"))
         source = LocalSource(input_path) if input_path else HubSource(repo_id, subset or default_subset)
     else:
-        raise UserError(f"unknown corpus {dataset!r}; use openwebtext, fineweb_edu or text")
-    return prepare_corpus(source, os.path.join(data_dir, name), name, shard_tokens, num_proc)
+        raise UserError(f"unknown corpus {corpus!r}; use openwebtext, fineweb_edu or text")
+    return prepare_corpus(source, dataset.resolve(data_dir, name), name, shard_tokens, num_proc)

@@ -16,9 +16,21 @@ from contextlib import nullcontext
 
 import torch
 
+from machinery.configurator import setting
 from machinery.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def device_setting():
+    """The --device setting of every command that runs a model (one declaration: train, sample, eval, serve)."""
+    return setting("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
+
+
+def dtype_setting():
+    """The --dtype setting of every command that runs a model."""
+    return setting("auto", "auto (bfloat16 where the GPU or CPU computes it natively, float16 on older GPUs, else "
+                           "float32), float32, bfloat16, float16")
 
 
 def pick_device(name="auto"):

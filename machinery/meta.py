@@ -20,6 +20,7 @@ from machinery.safe_pickle import read_plain_pickle
 from machinery.tokenizer import GPT2_VOCAB_SIZE, CharTokenizer, GPT2Tokenizer
 
 FILENAME = "meta.json"
+GPT2_PADDED_VOCAB_SIZE = 50304  # GPT-2's 50257 tokens padded up to a multiple of 64 (faster matmuls), as nanoGPT
 NANOGPT_PICKLE = "meta.pkl"  # what nanoGPT's prepare scripts write
 
 
@@ -39,12 +40,16 @@ class DatasetMeta:
     files: Optional[dict] = None
 
     @classmethod
-    def gpt2(cls):
-        return cls(tokenizer="gpt2", vocab_size=GPT2_VOCAB_SIZE)
+    def gpt2(cls, **extra):
+        """The metadata of GPT-2 BPE data (of(GPT2Tokenizer()), without building the tokenizer)."""
+        return cls(tokenizer="gpt2", vocab_size=GPT2_VOCAB_SIZE, **extra)
 
     @classmethod
     def of(cls, tokenizer, **extra):
-        """The metadata of data encoded with tokenizer (a CharTokenizer or GPT2Tokenizer)."""
+        """The metadata of data encoded with tokenizer (a CharTokenizer or GPT2Tokenizer), or of token ids with
+        no text behind them (tokenizer None; give vocab_size). extra: the statistics (train_tokens, ...)."""
+        if tokenizer is None:
+            return cls(tokenizer=None, **extra)
         chars = tokenizer.chars if tokenizer.kind == "char" else None
         return cls(tokenizer=tokenizer.kind, vocab_size=tokenizer.vocab_size, chars=chars, **extra)
 
@@ -69,6 +74,12 @@ class DatasetMeta:
         if self.tokenizer == "gpt2":
             return GPT2Tokenizer()
         raise UserError("this model's data records no tokenizer (token ids only); give one with --meta")
+
+    @property
+    def model_vocab_size(self):
+        """The vocabulary a new model for this data gets: GPT-2 BPE's padded to GPT2_PADDED_VOCAB_SIZE, any other
+        its own size."""
+        return GPT2_PADDED_VOCAB_SIZE if self.tokenizer == "gpt2" else self.vocab_size
 
     def describes(self, directory):
         """Does this metadata describe the token files in directory as they are now: the same .bin files, of
@@ -146,11 +157,12 @@ def from_path(path):
     return found
 
 
-def for_nanogpt(dataset, data_root="data"):
+def for_nanogpt(directory):
     """The tokenizer of a checkpoint that records none (nanoGPT's), and where it came from: the meta.json or
-    nanoGPT's meta.pkl of its dataset directory, else GPT-2 BPE (as nanoGPT's sample.py assumes)."""
-    if isinstance(dataset, str) and dataset:
-        found, path = _find(os.path.join(data_root, dataset))
+    nanoGPT's meta.pkl of its dataset directory (None: not known), else GPT-2 BPE (as nanoGPT's sample.py
+    assumes)."""
+    if directory:
+        found, path = _find(directory)
         if found:
             return found, path
     return DatasetMeta.gpt2(), f"GPT-2 BPE (no {FILENAME} or {NANOGPT_PICKLE} found)"

@@ -13,7 +13,7 @@ fixed token count, even inside a document. ShardedTokens therefore behaves like
 the single array of that stream (as if the shards were concatenated into one
 train.bin), and a training window may run across a shard boundary exactly as it
 may run across a document boundary inside a shard. That keeps windows uniform by
-token over the whole split and lets data.BatchSampler use it unchanged: the same
+token over the whole split and lets batches.BatchSampler use it unchanged: the same
 generator state draws the same windows as a concatenated file would, so exact
 resume keeps working.
 """
@@ -121,23 +121,11 @@ def check_max_token(path_or_array, vocab_size, chunk=CHECK_CHUNK, name=None):
     return largest
 
 
-def open_split(data_dir, split, block_size):
-    """The shards of one split of data_dir as one ShardedTokens, checking it holds a training window."""
-    paths = list_shards(data_dir)[split]
-    if not paths:
-        raise UserError(f"{data_dir} holds no *_{split}_*.bin shards; prepare the corpus with prepare.py")
-    data = ShardedTokens(paths)
-    if len(data) < block_size + 1:
-        raise UserError(f"the {split} shards of {data_dir} hold {len(data)} tokens, fewer than block_size + 1 = "
-                        f"{block_size + 1}; use more data or a smaller --block_size")
-    return data
-
-
 class ShardedTokens:
     """Several shards seen as the one token array of their concatenation, in the order given.
 
     Supports len(), an int, a slice with step 1, and an integer numpy array of any shape (the gather
-    data[starts[:, None] + arange(block + 1)] of data._windows); the result is uint16 like a memmap's.
+    data[starts[:, None] + arange(block + 1)] of batches._windows); the result is uint16 like a memmap's.
     Each shard is memory-mapped, so only the gathered tokens are read."""
 
     dtype = np.dtype(np.uint16)

@@ -235,7 +235,7 @@ def test_hub_source_reads_the_subset_files_in_order(tmp_path, monkeypatch):
     monkeypatch.setattr(hub.HfApi, "list_repo_files", lambda self, repo_id, repo_type=None, revision=None:
                         ["README.md", *files])
     monkeypatch.setattr(hub, "hf_hub_download", download)
-    source = corpus.HubSource(*corpus.HUB_DATASETS["fineweb_edu"])
+    source = corpus.HubSource(*corpus.HUB_CORPORA["fineweb_edu"])
     assert list(source.documents()) == docs
     assert fetched == ["sample/10BT/000_00000.parquet", "sample/10BT/001_00000.parquet"]
     # a resumed run fetches the files it skips again (hf_hub_download finds them in its cache) for their row counts

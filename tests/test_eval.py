@@ -14,7 +14,7 @@ import torch
 
 from conftest import assert_one_error_line, hf_model, run_in_process, tiny_train_args, train
 import eval as evaluation
-from machinery import meta, metrics
+from machinery import distributed, loading, meta, metrics, scoring
 from machinery.tokenizer import GPT2Tokenizer
 
 BLOCK = 64  # n_positions of the test model
@@ -105,8 +105,9 @@ def test_hellaswag_scores_match_transformers(hf_dir, encode, references):
     path, hf = hf_dir
     assert len(encode(EXAMPLES[3]["ctx"])) > BLOCK  # the truncation case is really there
     cfg = evaluation.EvalConfig(init_from=str(path), device="cpu", dtype="float32")
-    model, tokenizer = evaluation.load(cfg, "cpu")
-    ours = evaluation.hellaswag_scores(model, tokenizer.encode, ALL, "cpu")
+    loaded = loading.load(cfg)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    ours = scoring.hellaswag_scores(model, tokenizer.encode, ALL, "cpu")
     assert len(ours) == len(references) == 24
     assert sum(r["pred"] != r["pred_norm"] for r in references) >= 6  # the two choices often differ
     for got, want in zip(ours, references):
@@ -135,18 +136,20 @@ def test_hellaswag_accuracy_from_the_command_line(tmp_path, hf_dir, references):
 
 
 def test_ranks_split_the_examples_and_run_as_many_forward_passes(hf_dir, references, monkeypatch):
-    """Under torchrun (simulated here: each rank in turn, the all-reduce left to the test) the ranks score
+    """Under torchrun (simulated here: each rank in turn, with no process group the all-reduce is left to the
+    test) the ranks score
     disjoint examples that make up the whole file, and all run the same number of forward passes (with
     FSDP a forward pass is a collective): 5 examples on 2 ranks, the second rank repeats one, uncounted.
     (Generated examples, whose acc and acc_norm differ.)"""
-    model, tokenizer = evaluation.load(evaluation.EvalConfig(init_from=str(hf_dir[0])), "cpu")
+    loaded = loading.load(evaluation.EvalConfig(init_from=str(hf_dir[0])))
+    model, tokenizer = loaded.model, loaded.tokenizer
     passes = []
     model.register_forward_hook(lambda *_: passes.append(1))
     summed, per_rank = [0, 0, 0], []
     for rank in range(2):
-        monkeypatch.setattr(evaluation, "_rank_and_size", lambda r=rank: (r, 2))
         passes.clear()
-        h = evaluation.hellaswag_accuracy(model, tokenizer.encode, GENERATED[:5], "cpu")
+        h = scoring.hellaswag_accuracy(model, tokenizer.encode, GENERATED[:5], "cpu",
+                                       world=distributed.World(True, rank, rank, 2))
         per_rank.append((h["total"], len(passes)))
         summed = [a + b for a, b in zip(summed, (h["correct_norm"], h["correct"], h["total"]))]
     assert per_rank == [(3, 3), (2, 3)]
@@ -221,12 +224,12 @@ def test_download_once_into_the_cache_and_offline_error(tmp_path, hf_dir, monkey
 
     def offline(url, timeout):
         calls.append(url)
-        raise evaluation.urllib.error.URLError("no network")
+        raise scoring.urllib.error.URLError("no network")
 
-    monkeypatch.setattr(evaluation.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(scoring.urllib.request, "urlopen", offline)
     proc = run_in_process(evaluation.main, f"--init_from={hf_dir[0]}", "--device=cpu")
     assert_one_error_line(proc, "cannot download HellaSwag", "--hellaswag=FILE")
-    assert calls == [evaluation.HELLASWAG_URL] and not (tmp_path / "data").exists()  # nothing left behind
+    assert calls == [scoring.HELLASWAG_URL] and not (tmp_path / "data").exists()  # nothing left behind
 
     class Response:
         def __init__(self, data):
@@ -242,13 +245,13 @@ def test_download_once_into_the_cache_and_offline_error(tmp_path, hf_dir, monkey
             return self.data
 
     content = "".join(json.dumps(e) + "\n" for e in EXAMPLES[:2]).encode()
-    monkeypatch.setattr(evaluation.urllib.request, "urlopen", lambda url, timeout: calls.append(url) or
+    monkeypatch.setattr(scoring.urllib.request, "urlopen", lambda url, timeout: calls.append(url) or
                         Response(content))
     for _ in range(2):  # the second run reads the cache
         proc = run_in_process(evaluation.main, f"--init_from={hf_dir[0]}", "--device=cpu", "--json", check=True)
         assert json.loads(proc.stdout)["hellaswag"]["total"] == 2
     assert len(calls) == 2  # the failed try, then one download
-    assert (tmp_path / evaluation.HELLASWAG_CACHE).read_bytes() == content
+    assert (tmp_path / scoring.HELLASWAG_CACHE).read_bytes() == content
     assert [p.name for p in (tmp_path / "data" / "hellaswag").iterdir()] == ["hellaswag_val.jsonl"]
 
 

@@ -322,7 +322,7 @@ def test_train_finetune_shakespeare_from_hf_directory(tmp_path, hf_dir, bpe_data
     assert "iter 4: loss" in proc.stdout and "step 4: train loss" in proc.stdout
     ckpt = checkpoint.load(out / checkpoint.LATEST)
     assert ckpt.iter_num == 4 and ckpt.model_config.gelu == "tanh" and ckpt.model_config.block_size == 32
-    assert ckpt.meta.tokenizer == "gpt2"
+    assert ckpt.data_meta.tokenizer == "gpt2"
 
 
 def test_init_from_refuses_a_character_dataset(tmp_path, hf_dir, char_data):

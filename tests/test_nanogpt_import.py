@@ -89,7 +89,7 @@ def test_nanogpt_checkpoint_gives_the_same_logits(tmp_path, bias, compiled):
     write_nanogpt_ckpt(model, tmp_path / "out", compiled=compiled)
     ckpt = checkpoint.load(tmp_path / "out" / "ckpt.pt")
     assert ckpt.model_config.gelu == "none" and ckpt.best_val_loss == 2.5 and ckpt.iter_num == 10
-    assert ckpt.meta is None and ckpt.dataset == "tiny"  # nanoGPT records no tokenizer, only its dataset
+    assert ckpt.data_meta is None and ckpt.dataset == "tiny"  # nanoGPT records no tokenizer, only its dataset
     loaded = ckpt.build_model()
     assert loaded.config == model.config
     idx = torch.randint(0, 96, (3, 32), generator=torch.Generator().manual_seed(0))
@@ -145,7 +145,7 @@ def test_resume_a_nanogpt_out_dir_with_its_optimizer_state(tmp_path, char_data, 
     saved = torch.load(out / "ckpt.pt", weights_only=True)  # now in this repository's format
     assert saved["iter_num"] == 12 and "model_config" in saved and "model_args" not in saved
     ckpt = checkpoint.load(out / "ckpt.pt")
-    assert ckpt.iter_num == 12 and ckpt.meta.same_tokens(meta.read(char_data / "tiny"))
+    assert ckpt.iter_num == 12 and ckpt.data_meta.same_tokens(meta.read(char_data / "tiny"))
 
 
 @pytest.mark.parametrize("spoil, message", [

@@ -170,7 +170,7 @@ def test_failure_while_writing_leaves_the_dataset_alone(tmp_path, monkeypatch):
     (["text", "--name", "x"], "--input"),
     (["text", "--input", "missing.txt", "--name", "x"], "missing.txt"),
     (["text", "--input", "x", "--name", "x", "--tokenizer", "bpe"], "--tokenizer"),
-    (["nonsense"], "dataset"),
+    (["nonsense"], "corpus"),
 ])
 def test_cli_mistakes_exit_2_with_one_line(tmp_path, monkeypatch, args, says):
     monkeypatch.chdir(tmp_path)

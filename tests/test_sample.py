@@ -67,7 +67,7 @@ def test_streamed_output_equals_the_batch_output_and_generate(char_ckpt, cpu_bf1
     # one sample, streamed, against model.generate with the same seed
     streamed = sample_stdout(char_ckpt, *common, "--num_samples=1")
     ckpt = checkpoint.load(str(char_ckpt))
-    model, tokenizer = ckpt.build_model().eval(), ckpt.meta.make_tokenizer()
+    model, tokenizer = ckpt.build_model().eval(), ckpt.data_meta.make_tokenizer()
     assert isinstance(tokenizer, CharTokenizer)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_bf16 == torch.bfloat16):
         out = model.generate(torch.tensor([tokenizer.encode("ROMEO:")]), 60, temperature=0.9, top_k=20,

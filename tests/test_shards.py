@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from machinery import shards
+from machinery import dataset, shards
 from machinery.batches import BatchSampler
 from machinery.errors import UserError
 from machinery.meta import from_path as read_meta_file
@@ -102,7 +102,7 @@ def make_split(tmp_path, lengths=(300, 50, 400, 250)):
 
 def test_sharded_tokens_index_like_their_concatenation(tmp_path):
     whole = make_split(tmp_path)
-    data = shards.open_split(tmp_path, "train", block_size=8)
+    data = dataset.load_split(tmp_path, "train", block_size=8)
     assert len(data) == len(whole) == 1000 and data.shape == (1000,)
     idx = np.random.default_rng(1).integers(0, 1000, (7, 9))
     assert np.array_equal(data[idx], whole[idx]) and data[idx].dtype == np.uint16
@@ -114,7 +114,7 @@ def test_sharded_tokens_index_like_their_concatenation(tmp_path):
 
 def test_batch_sampler_over_shards_is_deterministic_and_covers_all_shards(tmp_path):
     whole = make_split(tmp_path)
-    data = shards.open_split(tmp_path, "train", block_size=16)
+    data = dataset.load_split(tmp_path, "train", block_size=16)
 
     def batches(tokens, seed, n):
         sampler = BatchSampler(tokens, 8, 16, torch.Generator().manual_seed(seed))
@@ -141,13 +141,13 @@ def test_batch_sampler_over_shards_is_deterministic_and_covers_all_shards(tmp_pa
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
-def test_open_split_errors(tmp_path):
+def test_load_split_errors(tmp_path):
     with pytest.raises(UserError) as e:
-        shards.open_split(tmp_path, "train", 8)
+        dataset.load_split(tmp_path, "train", 8)
     one_line(e, tmp_path, "_train_")
     make_split(tmp_path, lengths=(5, 3))
     with pytest.raises(UserError) as e:
-        shards.open_split(tmp_path, "train", 8)
+        dataset.load_split(tmp_path, "train", 8)
     one_line(e, "8 tokens", "block_size")
 
 

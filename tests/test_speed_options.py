@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from conftest import ROOT, run_in_process, tiny_train_args
 from machinery import configurator, distributed
-from machinery.batches import load_split, whole_split_batches
+from machinery.batches import whole_split_batches
+from machinery.dataset import load_split
 from machinery.stopping import StopFlag
 from model import GPT, GPTConfig
 from optimizers import build_optimizer
@@ -82,20 +83,20 @@ def test_weights_and_batches_follow_nanogpts_random_stream(tmp_path, char_data):
         assert torch.equal(a, b), name
 
     x, y = trainer.next_batch()
-    ex, ey = _nanogpt_get_batch(trainer.train_data, cfg.batch_size, cfg.block_size)
+    ex, ey = _nanogpt_get_batch(trainer.dataset.train, cfg.batch_size, cfg.block_size)
     assert torch.equal(x, ex) and torch.equal(y, ey)
 
     trainer.raw_model.eval()
     expected = {}
     with torch.no_grad():
-        for split, data in (("train", trainer.train_data), ("val", trainer.val_data)):
+        for split, data in (("train", trainer.dataset.train), ("val", trainer.dataset.val)):
             batches = [_nanogpt_get_batch(data, cfg.batch_size, cfg.block_size) for _ in range(3)]
             expected[split] = sum(trainer.raw_model(bx, by)[1].item() for bx, by in batches) / 3
     got = trainer.estimate_loss()
     assert got["train"] == pytest.approx(expected["train"], abs=1e-6)  # float64 vs float32 averaging
     assert got["val"] == pytest.approx(expected["val"], abs=1e-6)
     x, y = trainer.next_batch()
-    ex, ey = _nanogpt_get_batch(trainer.train_data, cfg.batch_size, cfg.block_size)
+    ex, ey = _nanogpt_get_batch(trainer.dataset.train, cfg.batch_size, cfg.block_size)
     assert torch.equal(x, ex) and torch.equal(y, ey)
 
 

@@ -1,0 +1,96 @@
+"""
+Which trained model to use, and where: the settings that every command using a model shares (sample.py,
+eval.py, export.py, serve.py) and loading it.
+
+    --init_from=resume --out_dir=DIR [--ckpt=best|latest]   a checkpoint of train.py (ours, or nanoGPT's ckpt.pt)
+    --init_from=gpt2|gpt2-medium|gpt2-large|gpt2-xl|PATH     GPT-2 weights in Hugging Face's layout (convert.py)
+    --meta=PATH                                             the tokenizer, for checkpoints that record none
+    --device, --dtype                                       where it runs, in which precision (hardware.py)
+
+load() returns a Loaded: the model in eval mode on its device, its tokenizer and dataset metadata, and the
+precision to run it in.
+"""
+
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from machinery import checkpoint, convert, dataset, meta
+from machinery.configurator import setting
+from machinery.errors import UserError
+from machinery.hardware import autocast, device_setting, dtype_setting, pick_device, pick_dtype
+
+
+@dataclass
+class ModelSource:
+    """The settings that pick a trained model (the settings of sample.py, eval.py and export.py begin with these)."""
+
+    init_from: str = setting("resume", "resume (the checkpoint in out_dir), a GPT-2 size (gpt2, gpt2-medium, "
+                                       "gpt2-large, gpt2-xl: from the local Hugging Face cache) or a Hugging Face "
+                                       "GPT-2 directory")
+    out_dir: str = setting("out", "training output directory (or a checkpoint file) to load")
+    meta: Optional[str] = setting(None, "tokenizer for checkpoints without one (nanoGPT, Hugging Face): a "
+                                        "meta.json from prepare.py or its dataset directory")
+    ckpt: str = setting("best", "best (best val loss, best.pt) or latest (ckpt.pt)")
+
+    def validate(self):
+        if self.ckpt not in ("best", "latest"):
+            raise UserError(f"ckpt must be best or latest, got {self.ckpt!r}")
+
+    @property
+    def name(self):
+        """How results and logs name the model: its out_dir, or the GPT-2 weights it is."""
+        return self.out_dir if self.init_from == "resume" else self.init_from
+
+
+@dataclass
+class RunSource(ModelSource):
+    """A model source and where to run it (sample.py, eval.py and serve.py)."""
+
+    device: str = device_setting()
+    dtype: str = dtype_setting()
+
+
+@dataclass
+class Loaded:
+    """A model ready to use: in eval mode on device; run it inside autocast (the dtype's mixed precision)."""
+
+    model: object  # model.GPT
+    tokenizer: object
+    data_meta: meta.DatasetMeta
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    @property
+    def autocast(self):
+        return autocast(self.device, self.dtype)
+
+
+def load(source, device="cpu", dtype="float32"):
+    """The model a ModelSource names with its tokenizer, on device (a device name or "auto"), for dtype.
+    init_from=resume: the checkpoint in out_dir (best or latest); else GPT-2 weights (convert.py). --meta
+    overrides the tokenizer; a checkpoint without one (nanoGPT's) uses its dataset's meta.json or meta.pkl,
+    else GPT-2 BPE, and says so on stderr."""
+    device = pick_device(device)
+    dtype = pick_dtype(dtype, device)
+    if source.init_from == "resume":
+        ckpt = checkpoint.load(checkpoint.find(source.out_dir, source.ckpt))
+        model, data_meta = ckpt.build_model(), ckpt.data_meta
+        if data_meta is None and source.meta is None:
+            data_meta, found = meta.for_nanogpt(dataset.resolve(dataset.DATA_DIR, ckpt.dataset) if ckpt.dataset
+                                                else None)
+            print(f"note: the checkpoint records no tokenizer; using {found} (--meta picks another)", file=sys.stderr)
+    else:
+        model, data_meta = convert.load_hf(source.init_from), convert.pretrained_meta(source.init_from)
+    if source.meta is not None:
+        data_meta = meta.from_path(source.meta)
+    tokenizer = data_meta.make_tokenizer()
+    if tokenizer.vocab_size > model.config.vocab_size:  # its ids would index past the embedding
+        raise UserError(f"the model has {model.config.vocab_size} tokens but the {tokenizer.kind} tokenizer has "
+                        f"{tokenizer.vocab_size}: it was trained with another one; give its meta.json with --meta")
+    return Loaded(model.eval().to(device), tokenizer, data_meta, device, dtype)
+
+
+def load_run(source):
+    """load() with the source's own --device and --dtype (a RunSource)."""
+    return load(source, source.device, source.dtype)
