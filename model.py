@@ -21,7 +21,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -41,10 +41,16 @@ class GPTConfig:
     qk_norm: bool = False  # normalise each head's queries and keys (not in GPT-2; see MultiHeadAttention)
     mlp_ratio: int = 4  # the MLP's hidden width in multiples of n_embd (GPT-2: 4)
 
+    # What the fields are to the code around the model, which derives its lists from these (a new field
+    # belongs to none of them by default: it must match on resume, and models that change it do not export):
+    PER_RUN = ("dropout",)  # may change when a run resumes or finetunes a model: the weights do not depend on it
+    NOT_IN_GPT2 = ("qk_norm",)  # GPT-2's config.json cannot say it: a model with another value cannot be exported
+    NOT_IN_NANOGPT = ("gelu", "qk_norm", "mlp_ratio")  # nanoGPT's GPTConfig has no such field (it has the defaults)
+
     def validate(self):
         """Raise ValueError naming the first field that cannot build a model. (The one place that
         checks the model's settings: train.py turns the ValueError into a one-line error.)"""
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
+        for name in [f.name for f in fields(self) if f.type is int]:  # sizes and counts
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -84,11 +90,15 @@ class KVCache:
 
 
 class Head(nn.Module):
-    """Causal scaled dot-product attention of one head: softmax(QK^T / sqrt(d_k)) V.
+    """Causal scaled dot-product attention, softmax(QK^T / sqrt(head_size)) V, of every head at once.
 
-    It works on tensors shaped (..., T, head_size), so MultiHeadAttention runs
-    all heads at once by handing them over as a batch dimension. It calls
-    PyTorch's scaled_dot_product_attention, which picks flash attention on CUDA.
+    In the articles (and Karpathy's video), a Head owns its key, query and value projections and
+    attends for one head; MultiHeadAttention then runs n_head of them and concatenates. Here the
+    projections of all heads are one matrix in MultiHeadAttention (`qkv`, the same weights as
+    n_head separate ones side by side), and this module receives q, k, v shaped
+    (B, n_head, T, head_size): the heads are a batch dimension, so one call computes what n_head
+    Heads of the articles compute one by one. It calls PyTorch's scaled_dot_product_attention,
+    which picks flash attention on CUDA.
     """
 
     def __init__(self, dropout):
@@ -125,7 +135,7 @@ class MultiHeadAttention(nn.Module):
         self.head_size = config.n_embd // config.n_head
         self.qk_norm = config.qk_norm
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # W_Q, W_K, W_V of all heads
-        # one Head computes every head's attention at once: the heads are a batch dimension
+        # one Head module computes every head's attention at once: the heads are a batch dimension
         self.heads = Head(config.dropout)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -526,9 +536,10 @@ def read_gpt2_config(directory):
         with open(path, encoding="utf-8") as f:
             hf = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{path} does not hold a JSON object")
+        hf = e
+    if not isinstance(hf, dict):  # unreadable, not JSON, or JSON of something else
+        why = _first_line(hf) if isinstance(hf, Exception) else type(hf).__name__
+        raise ValueError(f"{path} is not valid JSON holding an object ({why})")
     return hf
 
 

@@ -71,7 +71,8 @@ class TrainConfig:
     dropout: float = setting(0.0, "dropout probability (0 for pretraining, 0.1+ for finetuning)")
     bias: bool = setting(False, "biases in Linear and LayerNorm layers")
     vocab_size: Optional[int] = setting(None, "vocabulary size (None: the dataset's; GPT-2 BPE padded to 50304)")
-    gelu: str = setting("none", "GELU approximation: none (exact) or tanh (GPT-2)")
+    gelu: str = setting("auto", "GELU approximation: none (exact), tanh (GPT-2's), or auto: exact for a new model, "
+                                "the weights' own when resuming or finetuning")
     qk_norm: bool = setting(False, "normalise each head's queries and keys (QK-norm; steadier with Muon)")
     mlp_ratio: int = setting(4, "the MLP's hidden width in multiples of n_embd (GPT-2: 4)")
     # optimizer
@@ -98,8 +99,14 @@ class TrainConfig:
     parallel: str = setting("ddp", "under torchrun: ddp (replicate the model) or fsdp (shard it)")
     seed: int = setting(1337, "random seed")
 
-    def gpt_config(self, vocab_size):  # (every GPTConfig field is a setting of the same name)
-        return GPTConfig(**{f.name: getattr(self, f.name) for f in fields(GPTConfig)} | {"vocab_size": vocab_size})
+    def model_settings(self):
+        """The model settings given (every GPTConfig field is a setting of the same name), without those left to
+        the model: None (vocab_size: the dataset's) and auto (gelu)."""
+        return {f.name: getattr(self, f.name) for f in fields(GPTConfig) if getattr(self, f.name) not in (None, "auto")}
+
+    def gpt_config(self, vocab_size):
+        """The new model these settings ask for (what they leave to the model: GPTConfig's defaults)."""
+        return GPTConfig(**self.model_settings() | {"vocab_size": vocab_size})
 
     def validate(self):
         """One-line errors for impossible settings, before anything starts (the model's own: GPTConfig)."""
@@ -398,7 +405,7 @@ class Trainer:
         """The model settings a finetune's weights or a resumed checkpoint decide (all but block_size and
         dropout: gelu, vocab_size, ...) written into cfg, so that the train_config checkpoints record tells the
         truth; returns model_config."""
-        for name in {f.name for f in fields(GPTConfig)} - {"block_size", "dropout"}:
+        for name in {f.name for f in fields(GPTConfig)} - {"block_size", *GPTConfig.PER_RUN}:
             setattr(self.cfg, name, getattr(model_config, name))
         return model_config
 

@@ -93,18 +93,15 @@ class Checkpoint:
     def check_resume(self, cfg, data_meta):
         """Refuse to resume with other model settings or on data with other tokens."""
         mc = self.model_config
-        # every model setting must match, except dropout (free to change), vocab_size (checked below) and gelu
-        # (a GPT-2 finetune's config leaves it at its default; its weights decide it)
-        for name in [f.name for f in fields(GPTConfig) if f.name not in ("dropout", "vocab_size", "gelu")]:
-            if getattr(mc, name) != getattr(cfg, name):
-                raise UserError(f"{self.path} has {name}={getattr(mc, name)} but the config asks for "
-                                f"{getattr(cfg, name)}; resume with the same model settings or start from scratch")
+        # every model setting the config gives must match, except those a run may change (GPTConfig.PER_RUN); the
+        # settings it leaves to the model (vocab_size None, gelu auto) take the checkpoint's
+        for name, asked in cfg.model_settings().items():
+            if name not in GPTConfig.PER_RUN and asked != getattr(mc, name):
+                raise UserError(f"{self.path} has {name}={getattr(mc, name)} but the config asks for {asked}; resume "
+                                f"with the same model settings (or leave {name} out) or start from scratch")
         optimizer = (self._state.get("train_config") or {}).get("optimizer", "adamw")  # nanoGPT's: AdamW
         if optimizer != cfg.optimizer:
             raise UserError(f"{self.path} was trained with optimizer={optimizer}; resume with --optimizer={optimizer}")
-        if cfg.vocab_size is not None and cfg.vocab_size != mc.vocab_size:
-            raise UserError(f"{self.path} has vocab_size={mc.vocab_size} but the config asks for {cfg.vocab_size}; "
-                            f"leave vocab_size out to resume")
         if mc.vocab_size < data_meta.vocab_size:
             raise UserError(f"{self.path} has vocab_size={mc.vocab_size} but dataset {cfg.dataset} needs "
                             f"{data_meta.vocab_size}; resume on the dataset it was trained on")
@@ -229,9 +226,6 @@ def load(path):
     return Checkpoint(state, path)
 
 
-NANOGPT_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")
-
-
 def _from_nanogpt(state, path):
     """Our layout from nanoGPT's ckpt.pt (model_args, nanoGPT's weight names).
 
@@ -242,12 +236,11 @@ def _from_nanogpt(state, path):
     args = state["model_args"]
     if not isinstance(args, dict) or not {"n_layer", "n_head", "n_embd", "block_size", "vocab_size"} <= args.keys():
         raise UserError(f"{path}: model_args must hold n_layer, n_head, n_embd, block_size and vocab_size")
-    extra = sorted(set(args) - set(NANOGPT_ARGS))
+    extra = sorted(set(args) - {f.name for f in fields(GPTConfig)} | set(args) & set(GPTConfig.NOT_IN_NANOGPT))
     if extra:
         raise UserError(f"{path}: model_args has settings nanoGPT's GPT does not ({', '.join(extra)}); "
                         f"a modified nanoGPT's model cannot be loaded here")
-    model_config = {k: args[k] for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")}
-    model_config.update(dropout=args.get("dropout", 0.0), bias=args.get("bias", True), gelu="none")
+    model_config = dict(args)  # the fields nanoGPT has not (exact GELU, MLP 4x wide, ...) keep GPTConfig's defaults
     out = dict(state, model=convert.from_gpt2_layout(state["model"], conv1d=False, source=path),
                model_config=model_config)
     if isinstance(out.get("best_val_loss"), torch.Tensor):  # nanoGPT stores it as a 0-d tensor

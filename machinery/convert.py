@@ -42,8 +42,6 @@ from model import from_gpt2_layout as _from_gpt2_layout
 # the inverse of model.GPT2_NAMES, for writing GPT-2's layout
 _TO_GPT2 = {ours: theirs for theirs, ours in GPT2_NAMES.items()}
 _GELU_TO_HF = {"tanh": "gelu_new", "none": "gelu"}  # gelu_new: the name GPT-2's own config.json uses
-# the GPTConfig fields a GPT-2 config.json can say; any other field must keep its default to be exported
-_EXPRESSIBLE = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "gelu", "mlp_ratio"}
 
 
 def _gpt2_name(key):
@@ -139,8 +137,9 @@ def to_hf(model, data_meta):
     the export gives the same logits; importing it back gives bias=True with those zeros.
     """
     defaults, mc = GPTConfig(), model.config
-    for key, value in vars(mc).items():
-        if key not in _EXPRESSIBLE and getattr(defaults, key) != value:
+    for key in GPTConfig.NOT_IN_GPT2:  # a field GPT-2's config.json cannot say must keep its default
+        value = getattr(mc, key)
+        if value != getattr(defaults, key):
             raise UserError(f"GPT-2's format cannot express {key}={value!r}; this model cannot be exported to it")
     state = model.state_dict()
     for key, weight in list(state.items()):

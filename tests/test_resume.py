@@ -6,15 +6,12 @@ import shutil
 
 import torch
 
-from conftest import ROOT, assert_one_error_line, tiny_train_args, train
+from conftest import ROOT, assert_one_error_line, load_checkpoint, tiny_train_args, train
 from machinery.configurator import parse
 import train as train_script
 
 N = 6
 
-
-def load(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def logged_losses(stdout):
@@ -50,13 +47,13 @@ def test_n_then_resume_n_equals_2n_straight(tmp_path, char_data):
 
     straight = train(*args("straight", max_iters=2 * N))
     first = train(*args("split", max_iters=N))
-    assert load(tmp_path / "split" / "ckpt.pt")["iter_num"] == N
+    assert load_checkpoint(tmp_path / "split" / "ckpt.pt")["iter_num"] == N
     (tmp_path / "control").mkdir()
     (tmp_path / "control" / "ckpt.pt").write_bytes((tmp_path / "split" / "ckpt.pt").read_bytes())
     resumed = train(*args("split", max_iters=2 * N, init_from="resume"))
     assert f"resuming from {tmp_path / 'split'}/ckpt.pt at iteration {N}" in resumed.stdout
 
-    a, b = load(tmp_path / "straight" / "ckpt.pt"), load(tmp_path / "split" / "ckpt.pt")
+    a, b = load_checkpoint(tmp_path / "straight" / "ckpt.pt"), load_checkpoint(tmp_path / "split" / "ckpt.pt")
     assert a["iter_num"] == b["iter_num"] == 2 * N
     assert a["optimizer"]["state"] and all(s["exp_avg"].any() for s in a["optimizer"]["state"].values())
     for key in ("model", "optimizer", "ranks", "scaler"):
@@ -81,11 +78,11 @@ def test_n_then_resume_n_equals_2n_straight(tmp_path, char_data):
 
     # control, so that the comparison above can fail: the same checkpoint with another dropout RNG
     # state resumes into different weights
-    ckpt = load(tmp_path / "control" / "ckpt.pt")
+    ckpt = load_checkpoint(tmp_path / "control" / "ckpt.pt")
     ckpt["ranks"][0]["rng"]["torch"] = torch.Generator().manual_seed(1).get_state()
     torch.save(ckpt, tmp_path / "control" / "ckpt.pt")
     train(*args("control", max_iters=2 * N, init_from="resume"))
-    c = load(tmp_path / "control" / "ckpt.pt")
+    c = load_checkpoint(tmp_path / "control" / "ckpt.pt")
     assert not torch.equal(c["model"]["tok_emb.weight"], a["model"]["tok_emb.weight"])
 
 
@@ -100,7 +97,7 @@ def test_muon_resumes_exactly_and_refuses_another_optimizer(tmp_path, char_data)
     refused = train(*args("split", max_iters=2 * N, init_from="resume"), "--optimizer=adamw", check=False)
     assert_one_error_line(refused, "optimizer=muon", "--optimizer=muon")
     train(*args("split", max_iters=2 * N, init_from="resume"))
-    a, b = load(tmp_path / "straight" / "ckpt.pt"), load(tmp_path / "split" / "ckpt.pt")
+    a, b = load_checkpoint(tmp_path / "straight" / "ckpt.pt"), load_checkpoint(tmp_path / "split" / "ckpt.pt")
     muon_state = a["optimizer"]["state"]["blocks.1.ffwd.fc.weight"]
     assert muon_state["momentum_buffer"].any() and muon_state["step"].item() == 2 * N
     assert [g["use_muon"] for g in a["optimizer"]["param_groups"]] == [True, False, False]
@@ -118,10 +115,10 @@ def test_wandb_offline_and_a_resumed_run_continues_the_wandb_run(tmp_path, char_
     monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
     monkeypatch.setenv("WANDB_SILENT", "true")
     train(*tiny_train_args(char_data, out, max_iters=3, wandb_log=True, wandb_project="test"))
-    run_id = load(out / "ckpt.pt")["wandb_run_id"]
+    run_id = load_checkpoint(out / "ckpt.pt")["wandb_run_id"]
     assert isinstance(run_id, str) and run_id
     train(*tiny_train_args(char_data, out, max_iters=5, wandb_log=True, wandb_project="test", init_from="resume"))
-    assert load(out / "ckpt.pt")["wandb_run_id"] == run_id
+    assert load_checkpoint(out / "ckpt.pt")["wandb_run_id"] == run_id
     # wandb names each (offline) run's directory after the run id: both runs wrote to the same id
     runs = sorted((wandb_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(run.name.endswith("-" + run_id) for run in runs), runs
@@ -144,7 +141,7 @@ def finetune_args(init_from, data_dir, out_dir, **overrides):
 
 def resume_args(data_dir, out_dir, **overrides):
     """The same command with --init_from=resume. The tiny model's sizes must be said (GPT-2's are the defaults);
-    gelu is left at its default, "none", as a user resuming a GPT-2 finetune leaves it."""
+    gelu is left at its default, auto (the model's own), as a user resuming a GPT-2 finetune leaves it."""
     return finetune_args("resume", data_dir, out_dir, **({"n_layer": 2, "n_head": 2, "n_embd": 32} | overrides))
 
 
@@ -152,14 +149,14 @@ def test_gpt2_finetune_resumes_exactly_with_its_tanh_gelu(tmp_path, hf_dir, bpe_
     path, _ = hf_dir
     straight = train(*finetune_args(path, bpe_data, tmp_path / "straight", max_iters=2 * M))
     first = train(*finetune_args(path, bpe_data, tmp_path / "split", max_iters=M))
-    split = load(tmp_path / "split" / "ckpt.pt")
+    split = load_checkpoint(tmp_path / "split" / "ckpt.pt")
     assert split["iter_num"] == M and split["model_config"]["gelu"] == "tanh"  # GPT-2's activation (gelu_new)
     (tmp_path / "control").mkdir()
     shutil.copy(tmp_path / "split" / "ckpt.pt", tmp_path / "control" / "ckpt.pt")
     resumed = train(*resume_args(bpe_data, tmp_path / "split", max_iters=2 * M))
     assert f"resuming from {tmp_path / 'split'}/ckpt.pt at iteration {M}" in resumed.stdout
 
-    a, b = load(tmp_path / "straight" / "ckpt.pt"), load(tmp_path / "split" / "ckpt.pt")
+    a, b = load_checkpoint(tmp_path / "straight" / "ckpt.pt"), load_checkpoint(tmp_path / "split" / "ckpt.pt")
     assert a["iter_num"] == b["iter_num"] == 2 * M
     assert b["model_config"] == a["model_config"] and b["model_config"]["gelu"] == "tanh"
     for key in ("model", "optimizer", "ranks"):
@@ -170,12 +167,12 @@ def test_gpt2_finetune_resumes_exactly_with_its_tanh_gelu(tmp_path, hf_dir, bpe_
     assert {k: split_log[k] for k in straight_log} == straight_log
 
     # control, so that the comparison can tell the GELUs apart: the same checkpoint saying gelu "none" resumes
-    # (gelu is not checked against the settings) into other weights
-    ckpt = load(tmp_path / "control" / "ckpt.pt")
+    # (gelu is left to the checkpoint when the settings do not give it) into other weights
+    ckpt = load_checkpoint(tmp_path / "control" / "ckpt.pt")
     ckpt["model_config"]["gelu"] = "none"
     torch.save(ckpt, tmp_path / "control" / "ckpt.pt")
     train(*resume_args(bpe_data, tmp_path / "control", max_iters=2 * M))
-    c = load(tmp_path / "control" / "ckpt.pt")
+    c = load_checkpoint(tmp_path / "control" / "ckpt.pt")
     assert not torch.equal(c["model"]["tok_emb.weight"], a["model"]["tok_emb.weight"])
 
 
@@ -185,6 +182,9 @@ def test_gpt2_finetune_resumes_with_another_dropout_but_not_another_n_layer(tmp_
     saved = (out / "ckpt.pt").read_bytes()
     refused = train(*resume_args(bpe_data, out, max_iters=M + 1, n_layer=1), check=False)
     assert_one_error_line(refused, "n_layer=2", "asks for 1")
+    # gelu left out takes the checkpoint's (tanh); given, it must be the checkpoint's
+    refused = train(*resume_args(bpe_data, out, max_iters=M + 1, gelu="none"), check=False)
+    assert_one_error_line(refused, "gelu=tanh", "asks for none")
     assert (out / "ckpt.pt").read_bytes() == saved
     for copy in (control, inspected):
         copy.mkdir()
@@ -194,7 +194,7 @@ def test_gpt2_finetune_resumes_with_another_dropout_but_not_another_n_layer(tmp_
     # its own out_dir: the Trainer claims it)
     cfg = parse(train_script.TrainConfig, resume_args(bpe_data, inspected, max_iters=M + 1, dropout=0.1))
     cfg.validate()
-    assert cfg.gelu == "none"  # as the user left it
+    assert cfg.gelu == "auto"  # as the user left it
     model = train_script.Trainer(cfg).raw_model
     assert model.config.dropout == 0.1 and model.config.gelu == "tanh"
     assert cfg.gelu == "tanh" and cfg.dropout == 0.1  # the settings it records now say what it trains
@@ -210,7 +210,7 @@ def test_gpt2_finetune_resumes_with_another_dropout_but_not_another_n_layer(tmp_
     # the same weights and batches: the same evaluation at the resumed step (dropout is off there), another
     # training loss at the first resumed step (dropout is on there)
     assert a[f"step {M}"] == b[f"step {M}"] and a[f"iter {M + 1}"] != b[f"iter {M + 1}"]
-    with_ckpt, without_ckpt = load(out / "ckpt.pt"), load(control / "ckpt.pt")
+    with_ckpt, without_ckpt = load_checkpoint(out / "ckpt.pt"), load_checkpoint(control / "ckpt.pt")
     assert with_ckpt["model_config"]["dropout"] == 0.1 and without_ckpt["model_config"]["dropout"] == 0.0
     assert with_ckpt["model_config"]["gelu"] == "tanh"
     assert not torch.equal(with_ckpt["model"]["tok_emb.weight"], without_ckpt["model"]["tok_emb.weight"])
