@@ -266,10 +266,19 @@ def train(*args, check=True):
 
 
 def assert_one_error_line(proc, *words):
-    """Bad input: exit status 2, exactly one non-empty stderr line `error: ...` containing words, no traceback."""
+    """Bad input: exit status 2, exactly one non-empty stderr line `error: ...` containing words, no traceback.
+    Returns the line."""
     assert proc.returncode == 2, f"exit status {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     for word in words:
         assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def load_checkpoint(path):
+    """A checkpoint file as the dict on disk (read as sample.py and train.py read it: weights only)."""
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -11,7 +11,7 @@ import torch
 
 from machinery import checkpoint, fileio
 import faults
-from conftest import assert_one_error_line, run_in_process, tiny_train_args
+from conftest import assert_one_error_line, load_checkpoint, run_in_process, tiny_train_args
 from machinery.errors import UserError
 import sample
 import train
@@ -30,9 +30,6 @@ def faulty_run(monkeypatch, args, **fault_settings):
     faults.inject({k: str(v) for k, v in fault_settings.items()}, monkeypatch.setattr)
     return run_in_process(train.main, *args)
 
-
-def load(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 # ---------------------------------------------------------------------- safe loading
@@ -61,7 +58,7 @@ def test_checkpoint_that_would_run_code_is_refused(tmp_path, trained, payload):
     marker = tmp_path / "MARKER"
     out = tmp_path / "out"
     out.mkdir()
-    ckpt = load(trained / "out" / "ckpt.pt")  # a real checkpoint, with one poisoned entry added
+    ckpt = load_checkpoint(trained / "out" / "ckpt.pt")  # a real checkpoint, with one poisoned entry added
     ckpt["note"] = payload(marker)
     torch.save(ckpt, out / "ckpt.pt")
     shutil.copy(out / "ckpt.pt", out / "best.pt")
@@ -137,7 +134,7 @@ def test_failed_save_leaves_the_old_checkpoint_whole(tmp_path, monkeypatch):
 
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary file left behind
-    assert torch.equal(load(path)["model"]["w"], torch.ones(3))
+    assert torch.equal(load_checkpoint(path)["model"]["w"], torch.ones(3))
 
 
 def test_saves_never_wait_for_an_evaluation(tmp_path, trained, monkeypatch):
@@ -149,7 +146,7 @@ def test_saves_never_wait_for_an_evaluation(tmp_path, trained, monkeypatch):
         faulty_run(monkeypatch, args, eval_crash=2, save_log=log)
     saves = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(s["file"], s["iter_num"]) for s in saves] == [("ckpt.pt", 3), ("ckpt.pt", 6), ("ckpt.pt", 7)]
-    assert load(out / "ckpt.pt")["iter_num"] == 7
+    assert load_checkpoint(out / "ckpt.pt")["iter_num"] == 7
 
 
 # ---------------------------------------------------------------------- non-finite loss
@@ -174,7 +171,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, train
     saves = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(s["file"], s["iter_num"]) for s in saves] == [("ckpt.pt", 2), ("ckpt.pt", 4)]
     assert hashlib.sha256((out / "ckpt.pt").read_bytes()).hexdigest() == saves[-1]["sha256"]  # byte-identical
-    assert all(torch.isfinite(v).all() for v in load(out / "ckpt.pt")["model"].values())
+    assert all(torch.isfinite(v).all() for v in load_checkpoint(out / "ckpt.pt")["model"].values())
 
 
 # ---------------------------------------------------------------------- best vs latest
@@ -183,7 +180,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, train
 def test_sample_uses_best_by_default_and_latest_on_request(tmp_path, trained):
     out = tmp_path / "out"
     out.mkdir()
-    latest = load(trained / "out" / "ckpt.pt")
+    latest = load_checkpoint(trained / "out" / "ckpt.pt")
     best = dict(latest, model={k: v * 0.5 for k, v in latest["model"].items()})  # other weights, other text
     torch.save(best, out / "best.pt")
     torch.save(latest, out / "ckpt.pt")

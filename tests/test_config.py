@@ -6,7 +6,7 @@ from typing import Optional
 
 import pytest
 
-from conftest import run_in_process, tiny_train_args, train
+from conftest import assert_one_error_line, run_in_process, tiny_train_args, train
 from machinery import configurator
 from machinery.errors import UserError
 from optimizers import get_lr
@@ -175,13 +175,6 @@ def test_the_shipped_config_files_parse(tmp_path):
 # run_in_process runs main under errors.run_main, as the scripts' __main__ blocks do)
 
 
-def one_error_line(proc):
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    return lines[0]
-
 
 @pytest.mark.parametrize("arg, named", [
     ("--batch_sise=4", "batch_sise"),  # unknown key (a typo)
@@ -195,7 +188,7 @@ def one_error_line(proc):
 def test_train_config_errors_exit_2_naming_the_key(tmp_path, monkeypatch, arg, named):
     monkeypatch.chdir(tmp_path)
     proc = train(*tiny_train_args(tmp_path / "data", tmp_path / "out"), arg, check=False)
-    assert named in one_error_line(proc)
+    assert named in assert_one_error_line(proc)
     assert not (tmp_path / "out").exists()
 
 
@@ -203,7 +196,7 @@ def test_train_config_file_with_code_exits_2_without_running_it(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     marker = tmp_path / "marker"
     path = config_file(tmp_path, f"batch_size = 4\nimport os\nos.system('touch {marker}')\n")
-    line = one_error_line(train(path, check=False))
+    line = assert_one_error_line(train(path, check=False))
     assert "cfg.py:2" in line
     assert not marker.exists()
 
@@ -211,19 +204,19 @@ def test_train_config_file_with_code_exits_2_without_running_it(tmp_path, monkey
 def test_train_config_file_wrong_type_names_the_key(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = config_file(tmp_path, "max_iters = '100'\n")
-    assert "max_iters" in one_error_line(train(path, check=False))
+    assert "max_iters" in assert_one_error_line(train(path, check=False))
 
 
 def test_sample_config_errors_exit_2_naming_the_key(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert "num_samples" in one_error_line(run_in_process(sample.main, "--num_samples=two"))
-    assert "--tempreature" in one_error_line(run_in_process(sample.main, "--tempreature=0.5"))
+    assert "num_samples" in assert_one_error_line(run_in_process(sample.main, "--num_samples=two"))
+    assert "--tempreature" in assert_one_error_line(run_in_process(sample.main, "--tempreature=0.5"))
     # sample.py takes no config file
-    assert "cfg.py" in one_error_line(run_in_process(sample.main, config_file(tmp_path, "top_k = 5\n")))
+    assert "cfg.py" in assert_one_error_line(run_in_process(sample.main, config_file(tmp_path, "top_k = 5\n")))
     # values of the right type that make no sense
-    assert "num_samples" in one_error_line(run_in_process(sample.main, "--num_samples=0"))
-    assert "top_p" in one_error_line(run_in_process(sample.main, "--top_p=1.5"))
-    assert "ckpt" in one_error_line(run_in_process(sample.main, "--ckpt=newest"))
+    assert "num_samples" in assert_one_error_line(run_in_process(sample.main, "--num_samples=0"))
+    assert "top_p" in assert_one_error_line(run_in_process(sample.main, "--top_p=1.5"))
+    assert "ckpt" in assert_one_error_line(run_in_process(sample.main, "--ckpt=newest"))
 
 
 # ---------------------------------------------------------------------- learning-rate schedule

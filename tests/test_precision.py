@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from conftest import tiny_train_args, train
+from conftest import load_checkpoint, tiny_train_args, train
 from machinery import hardware
 from model import GPT
 
@@ -21,9 +21,6 @@ def native(monkeypatch, bf16, fp16=False):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: fp16)
 
-
-def load(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def val_losses(stdout):
@@ -63,7 +60,7 @@ def test_bfloat16_trains_end_to_end_close_to_float32(tmp_path, char_data, monkey
     assert len(bf16) == 3 and bf16[-1] < bf16[0]
     # the same batches and initial weights; bfloat16 matmuls keep 8 bits of mantissa: losses within 0.02
     assert bf16 == pytest.approx(fp32, abs=0.02)
-    state = load(tmp_path / "bfloat16" / "ckpt.pt")
+    state = load_checkpoint(tmp_path / "bfloat16" / "ckpt.pt")
     assert all(v.dtype == torch.float32 for v in state["model"].values())  # autocast: fp32 master weights
 
 
@@ -85,16 +82,16 @@ def test_float16_trains_with_a_grad_scaler_that_skips_overflows_and_resumes_exac
     monkeypatch.setattr(GPT, "forward", forward)
     args = dict(ARGS, dtype="float16", eval_interval=100, ckpt_interval=0)
     straight = train(*tiny_train_args(char_data, tmp_path / "straight", **args))
-    scaler = load(tmp_path / "straight" / "ckpt.pt")["scaler"]
+    scaler = load_checkpoint(tmp_path / "straight" / "ckpt.pt")["scaler"]
     assert scaler["scale"] == 65536.0 / 2  # torch's initial scale, halved once by the skipped step
     assert "NaN" not in straight.stdout + straight.stderr
 
     steps["done"] = 0
     train(*tiny_train_args(char_data, tmp_path / "split", **dict(args, max_iters=3)))
-    assert load(tmp_path / "split" / "ckpt.pt")["scaler"]["scale"] == 65536.0 / 2
+    assert load_checkpoint(tmp_path / "split" / "ckpt.pt")["scaler"]["scale"] == 65536.0 / 2
     steps["overflow_at"] = None  # the resumed run's steps 4..6 are those of the straight run: no overflow
     train(*tiny_train_args(char_data, tmp_path / "split", init_from="resume", **args))
-    a, b = load(tmp_path / "straight" / "ckpt.pt"), load(tmp_path / "split" / "ckpt.pt")
+    a, b = load_checkpoint(tmp_path / "straight" / "ckpt.pt"), load_checkpoint(tmp_path / "split" / "ckpt.pt")
     assert a["scaler"] == b["scaler"]
     for name, weight in a["model"].items():
         assert torch.equal(weight, b["model"][name]), name
@@ -158,7 +155,7 @@ def test_compile_true_trains_compiled_on_the_cpu(tmp_path, char_data, monkeypatc
     # eval_iters (1) batches of each split. Handing the eager model back after the trial would count 1 and 1.
     assert calls == {"forward": 1 + 2, "backward": 1 + 2, "no_grad": 2}
     assert val_losses(compiled.stdout) == pytest.approx(val_losses(eager.stdout), abs=1e-4)
-    state = load(tmp_path / "compiled" / "ckpt.pt")
+    state = load_checkpoint(tmp_path / "compiled" / "ckpt.pt")
     assert not any(k.startswith("_orig_mod.") for k in state["model"])
 
 

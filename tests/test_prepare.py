@@ -108,13 +108,6 @@ def test_cli_shakespeare_char_with_input(tmp_path, monkeypatch):
     assert meta["tokenizer"] == "char" and meta["vocab_size"] == len(set(TEXT))
 
 
-def one_error_line(proc):
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert "Traceback" not in proc.stderr
-    return lines[0]
-
 
 @pytest.mark.parametrize("bad, says", [
     (b"", "empty"),
@@ -130,7 +123,7 @@ def test_bad_input_exits_2_and_leaves_the_dataset_alone(tmp_path, monkeypatch, b
 
     src = tmp_path / "bad.txt"
     src.write_bytes(bad)
-    line = one_error_line(run_in_process(prepare.main, "text", "--input", src, "--name", "ds"))
+    line = assert_one_error_line(run_in_process(prepare.main, "text", "--input", src, "--name", "ds"))
     assert says in line and "bad.txt" in line
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
@@ -174,7 +167,7 @@ def test_failure_while_writing_leaves_the_dataset_alone(tmp_path, monkeypatch):
 ])
 def test_cli_mistakes_exit_2_with_one_line(tmp_path, monkeypatch, args, says):
     monkeypatch.chdir(tmp_path)
-    line = one_error_line(run_in_process(prepare.main, *args))
+    line = assert_one_error_line(run_in_process(prepare.main, *args))
     assert says in line
     assert not (tmp_path / "data" / "x").exists()
 
@@ -201,6 +194,6 @@ def test_no_network_names_input(tmp_path, monkeypatch):
 
 def test_prepare_py_as_a_process_exits_2_with_one_line(tmp_path):
     """The one subprocess here: the script's own __main__ block turns a mistake into `error: ...` and exit 2."""
-    line = one_error_line(run("prepare.py", "text", "--name", "x", cwd=tmp_path))
+    line = assert_one_error_line(run("prepare.py", "text", "--name", "x", cwd=tmp_path))
     assert "--input" in line
     assert not (tmp_path / "data").exists()

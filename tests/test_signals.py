@@ -14,8 +14,8 @@ import socket
 import pytest
 import torch
 
-from conftest import (ROOT, assert_one_error_line, finish, kill_tree, read_lines, tiny_train_args, train,
-                      wait_for_line)
+from conftest import (ROOT, assert_one_error_line, finish, kill_tree, load_checkpoint, read_lines, tiny_train_args,
+                      train, wait_for_line)
 from machinery.stopping import StopFlag
 
 
@@ -35,9 +35,6 @@ def wait_for_file(path, proc, timeout=120):
             raise AssertionError(f"{path} never appeared:\n{finish(proc)}")
         time.sleep(0.05)
 
-
-def load(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -61,7 +58,7 @@ def test_signal_saves_and_resumes_at_the_right_iteration(tmp_path, char_data, si
     k = int(m[1])
     assert m[2] == f"{out}/ckpt.pt"
     assert re.findall(r"^iter (\d+):", stdout, re.M)[-1] == str(k)  # the step in progress was finished
-    assert load(out / "ckpt.pt")["iter_num"] == k
+    assert load_checkpoint(out / "ckpt.pt")["iter_num"] == k
 
     resumed = train(*args(max_iters=k + 3, init_from="resume"))
     assert f"resuming from {out}/ckpt.pt at iteration {k}" in resumed.stdout
@@ -71,7 +68,7 @@ def test_signal_saves_and_resumes_at_the_right_iteration(tmp_path, char_data, si
     # and it continues exactly where it stopped: the same weights as a run of k + 3 iterations straight
     train(*tiny_train_args(char_data, tmp_path / "straight", eval_interval=10**9, ckpt_interval=0,
                            warmup_iters=2, lr_decay_iters=1000, dropout=0.1, max_iters=k + 3))
-    a, b = load(out / "ckpt.pt")["model"], load(tmp_path / "straight" / "ckpt.pt")["model"]
+    a, b = load_checkpoint(out / "ckpt.pt")["model"], load_checkpoint(tmp_path / "straight" / "ckpt.pt")["model"]
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
@@ -102,12 +99,12 @@ def test_sigkill_while_saving_leaves_a_checkpoint_that_loads_and_resumes(tmp_pat
     finish(proc, timeout=60)
     assert proc.returncode == -signal.SIGKILL
 
-    ckpt = load(out / "ckpt.pt")  # the previous checkpoint, complete
+    ckpt = load_checkpoint(out / "ckpt.pt")  # the previous checkpoint, complete
     assert ckpt["iter_num"] == 4
     resumed = train(*tiny_train_args(char_data, out, max_iters=6, ckpt_interval=4, eval_interval=10**9,
                                      init_from="resume"))
     assert f"resuming from {out}/ckpt.pt at iteration 4" in resumed.stdout
-    assert load(out / "ckpt.pt")["iter_num"] == 6
+    assert load_checkpoint(out / "ckpt.pt")["iter_num"] == 6
     # the killed run had logged iterations up to 8 in metrics.jsonl; the resumed run dropped 5..8 and
     # logged 5, 6: each step once (evaluations: at 0, and at the end, 6)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
