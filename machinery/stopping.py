@@ -41,12 +41,16 @@ class StopFlag:
             return self.name is not None
         if not ask_ranks:
             return False
-        if self.name is None and os.getppid() != self.parent:
-            self.name = "the death of its launcher"  # (this process was handed to another parent, e.g. init)
+        self._check_launcher()
         flag = all_reduce(torch.tensor([1.0 if self.name else 0.0], device=device), op="max").item() > 0
         if flag and self.name is None:
-            self.name = "a signal on another rank"
+            self._check_launcher()  # (the launcher may have died after this rank looked, before another did)
+            self.name = self.name or "a signal on another rank"
         return flag
+
+    def _check_launcher(self):
+        if self.name is None and os.getppid() != self.parent:
+            self.name = "the death of its launcher"  # (this process was handed to another parent, e.g. init)
 
     def restore(self):
         for sig, handler in self.previous.items():
