@@ -49,6 +49,15 @@ def run(script, *args, cwd=ROOT, timeout=300, env=None, check=False):
     return proc
 
 
+def free_port():
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def descendants(pid):
     """The pids of every process that pid started, and they started, ... (read from /proc)."""
     children = {}
