@@ -10,19 +10,18 @@ nanoGPT's ckpt.pt carries none: its data/<dataset>/meta.json is used when there 
 one, else GPT-2 BPE (--meta picks one). With --init_from, OpenAI's GPT-2 weights
 (from the local Hugging Face cache) or a Hugging Face GPT-2 directory sample with
 GPT-2 BPE.
-The samples are generated together as one batch; the first one is printed as it
-is produced (--stream), the others when the batch is done. A sample ends at
---stop (a text of any length; the text is cut where it begins), at
-<|endoftext|> for GPT-2 BPE models, or after max_new_tokens.
+The samples are generated together, by the generation engine (machinery/engine.py,
+the one serve.py uses: sample i draws with seed + i, and its text does not depend
+on the others); the first one is printed as it is produced (--stream), the others
+when they are done. A sample ends at --stop (a text of any length; the text is cut
+where it begins), at <|endoftext|> for GPT-2 BPE models, or after max_new_tokens.
 """
 
 import sys
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
-from machinery import configurator, loading
+from machinery import configurator, engine, loading
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 
@@ -30,7 +29,7 @@ from machinery.errors import UserError, run_main
 @dataclass
 class SampleConfig(loading.RunSource):
     start: str = setting("\n", "prompt text, or FILE:path to read the prompt from a file")
-    num_samples: int = setting(10, "samples to draw (generated together as one batch)")
+    num_samples: int = setting(10, "samples to draw (generated together)")
     max_new_tokens: int = setting(500, "tokens to generate per sample")
     temperature: float = setting(0.8, "0: greedy (argmax); <1 sharper, >1 more random")
     top_k: Optional[int] = setting(200, "sample only among the k most likely tokens (None: all)")
@@ -70,60 +69,6 @@ def read_prompt(start):
     return start
 
 
-class SampleText:
-    """The generated text of one sample as its tokens arrive.
-
-    A sample is done at one of stop_tokens (not part of the text) or where stop_text
-    first appears (the text is cut there). add() returns the text that has become
-    final, for streaming: it holds back an incomplete UTF-8 character (BPE tokens can
-    split one) and a tail that may turn out to be the start of stop_text, so what is
-    streamed is always a prefix of the final text, and all of it once finish() is called.
-    """
-
-    def __init__(self, tokenizer, stop_text=None, stop_tokens=()):
-        self.tokenizer = tokenizer
-        self.stop_text = stop_text
-        self.stop_tokens = set(stop_tokens)
-        self.ids = []
-        self.text = ""  # the decoded text, cut at stop_text
-        self.done = False
-        self.emitted = 0  # characters of text handed out so far
-
-    def add(self, token_id):
-        """Take the next token; return the newly final text."""
-        if self.done:
-            return ""
-        if token_id in self.stop_tokens:
-            return self.finish()
-        self.ids.append(token_id)
-        self.text = self.tokenizer.decode(self.ids)
-        cut = self.text.find(self.stop_text) if self.stop_text else -1
-        if cut >= 0:
-            self.text = self.text[:cut]
-            return self.finish()
-        return self._take(len(self.text) - self._undecided())
-
-    def finish(self):
-        """End the sample; return the text not handed out yet."""
-        self.done = True
-        return self._take(len(self.text))
-
-    def _undecided(self):
-        """Characters at the end of text that a later token may still change or cut."""
-        text = self.text.rstrip("\ufffd")  # bytes of a character still to come
-        held = len(self.text) - len(text)
-        stop = self.stop_text or ""
-        for n in range(min(len(stop) - 1, len(text)), 0, -1):  # the longest tail that begins stop
-            if text.endswith(stop[:n]):
-                return held + n
-        return held
-
-    def _take(self, end):
-        new = self.text[self.emitted:end]
-        self.emitted = max(self.emitted, end)
-        return new
-
-
 def encode(tokenizer, text, what):
     """Token ids of text; a character outside a char-level vocabulary is an error naming `what`."""
     try:
@@ -136,11 +81,10 @@ def main(argv=None):
     cfg = configurator.parse(SampleConfig, argv, usage="python sample.py [--key=value ...]", extra_files_ok=False)
     cfg.validate()
     loaded = loading.load_run(cfg)
-    model, tokenizer = loaded.model, loaded.tokenizer
+    tokenizer = loaded.tokenizer
+    model = engine.prepare(loaded.model, loaded.device, loaded.dtype)
     if cfg.compile:
-        # in place, so that generate's calls to the model run compiled (torch.compile(model) would return
-        # a wrapper whose generate calls the original); dynamic shapes: no recompile per prompt length
-        model.compile(dynamic=True)
+        model.compile(dynamic=True)  # in place: the engine's calls to the model run compiled
     prompt = read_prompt(cfg.start)
     if not prompt:
         raise UserError("the prompt is empty; give some text with --start")
@@ -151,29 +95,26 @@ def main(argv=None):
         ids = ids[-block_size:]
     if cfg.stop is not None:
         encode(tokenizer, cfg.stop, "--stop")  # text the model cannot produce would never stop a sample
-    with torch.no_grad(), loaded.autocast:
-        print_samples(cfg, model, tokenizer, prompt, torch.tensor(ids, dtype=torch.long, device=loaded.device))
+    runner = engine.Engine(model, tokenizer, loaded.device, max_batch=cfg.num_samples, use_cache=cfg.use_cache)
+    print_samples(cfg, runner, tokenizer, prompt, ids)
 
 
-def print_samples(cfg, model, tokenizer, prompt, ids):
-    """Generate num_samples continuations of ids as one batch; stream the first, then print them all."""
-    stop_tokens = [tokenizer.eot_token] if tokenizer.eot_token is not None else None
-    torch.manual_seed(cfg.seed)
-    generator = torch.Generator(device=ids.device).manual_seed(cfg.seed)
-    samples = [SampleText(tokenizer, cfg.stop, stop_tokens or ()) for _ in range(cfg.num_samples)]
+def print_samples(cfg, runner, tokenizer, prompt, ids):
+    """Generate num_samples continuations of ids together (sample i with seed + i); stream the first as its
+    text becomes final, then print the others."""
+    stop_tokens = (tokenizer.eot_token,) if tokenizer.eot_token is not None else ()
+    samples = [runner.submit(engine.Request(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
+                                            seed=cfg.seed + i, stop=(cfg.stop,) if cfg.stop else (),
+                                            stop_tokens=stop_tokens))
+               for i in range(cfg.num_samples)]
     if cfg.stream:
         print(prompt, end="", flush=True)
-    for tok in model.generate_stream(ids[None].repeat(cfg.num_samples, 1), cfg.max_new_tokens, cfg.temperature,
-                                     cfg.top_k, cfg.top_p, stop_tokens, generator, cfg.use_cache,
-                                     vocab_size=tokenizer.vocab_size):
-        pieces = [sample.add(t) for sample, t in zip(samples, tok.tolist())]
-        if cfg.stream and pieces[0]:
-            print(pieces[0], end="", flush=True)
-        if all(sample.done for sample in samples):
-            break  # every sample met its stop text (stop tokens end generate_stream itself)
+    while not all(s.done for s in samples):
+        runner.step()
+        while cfg.stream and (token := samples[0].next_event(timeout=0)) is not None:
+            print(token.text, end="", flush=True)
     for i, sample in enumerate(samples):
-        rest = sample.finish()
-        print(rest if cfg.stream and i == 0 else prompt + sample.text)
+        print("" if cfg.stream and i == 0 else prompt + sample.text.text)
         print("---------------")
 
 

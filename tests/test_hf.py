@@ -283,8 +283,8 @@ def test_sample_init_from_hf_directory_uses_gpt2_bpe(hf_dir, cpu_bf16):
     model = convert.load_hf(str(path)).eval()
     ids = torch.tensor([tok.encode(prompt)])
     # in the precision sample.py's dtype=auto picks on this kind of CPU (both kinds in turn: cpu_bf16)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_bf16 == torch.bfloat16):
-        out = model.generate(ids, n, temperature=0, stop_tokens=[tok.eot_token])[0, ids.size(1):].tolist()
+    with torch.no_grad():
+        out = model.to(cpu_bf16).generate(ids, n, temperature=0, stop_tokens=[tok.eot_token])[0, ids.size(1):].tolist()
     if tok.eot_token in out:
         out = out[:out.index(tok.eot_token)]
     expected = prompt + tok.decode(out)

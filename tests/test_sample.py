@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import assert_one_error_line, make_corpus, run_in_process
-from machinery import checkpoint
+from machinery import checkpoint, engine
 from machinery.errors import UserError
 from machinery.meta import DatasetMeta
 from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -56,7 +56,7 @@ def split_samples(stdout):
 
 
 def test_streamed_output_equals_the_batch_output_and_generate(char_ckpt, cpu_bf16):
-    # sample.py's default dtype=auto: bfloat16 autocast on a CPU that computes it natively, else float32
+    # sample.py's default dtype=auto: bfloat16 weights on a CPU that computes it natively, else float32
     # (both answers in turn, cpu_bf16); the reference runs model.generate in that precision
     common = ["--start=ROMEO:", "--max_new_tokens=60", "--temperature=0.9", "--top_k=20", "--seed=5"]
     streamed = sample_stdout(char_ckpt, *common, "--num_samples=3", "--stream=True")
@@ -69,27 +69,30 @@ def test_streamed_output_equals_the_batch_output_and_generate(char_ckpt, cpu_bf1
     ckpt = checkpoint.load(str(char_ckpt))
     model, tokenizer = ckpt.build_model().eval(), ckpt.data_meta.make_tokenizer()
     assert isinstance(tokenizer, CharTokenizer)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_bf16 == torch.bfloat16):
-        out = model.generate(torch.tensor([tokenizer.encode("ROMEO:")]), 60, temperature=0.9, top_k=20,
+    with torch.no_grad():
+        out = model.to(cpu_bf16).generate(torch.tensor([tokenizer.encode("ROMEO:")]), 60, temperature=0.9, top_k=20,
                              generator=torch.Generator().manual_seed(5))
     assert streamed == tokenizer.decode(out[0].tolist()) + "\n" + SEPARATOR
 
 
 def test_sample_py_prints_the_first_sample_while_the_batch_is_generated(monkeypatch, char_ckpt):
-    """After each generated token, stdout already holds the prompt and one more character of sample 0."""
+    """Before each step of the engine, stdout already holds the prompt and every character sample 0 has
+    generated so far (a character model: one character per token)."""
     stdout, printed = io.StringIO(), []
-    generate_stream = GPT.generate_stream
+    step = engine.Engine.step
 
-    def spy(*args, **kwargs):
-        for tok in generate_stream(*args, **kwargs):
-            yield tok
-            printed.append(stdout.getvalue())  # sample.py has handled this token
+    def spy(runner):
+        first = runner.rows[0] if runner.rows else None
+        printed.append((stdout.getvalue(), first.completion_tokens if first else 0))
+        step(runner)
 
-    monkeypatch.setattr(GPT, "generate_stream", spy)
+    monkeypatch.setattr(engine.Engine, "step", spy)
     monkeypatch.setattr(sys, "stdout", stdout)
     sample.main([f"--out_dir={char_ckpt}", "--device=cpu", "--start=KING", "--max_new_tokens=25", "--num_samples=2"])
     first = split_samples(stdout.getvalue())[0]
-    assert printed == [first[:len("KING") + i] for i in range(1, 26)]
+    assert len(printed) >= 12 and printed[-1][1] >= 23  # printed along the way, nearly to the end
+    for text, tokens in printed:
+        assert text == first[:len("KING") + tokens]
 
 
 def test_a_multi_token_stop_text_cuts_each_sample_at_its_first_occurrence(char_ckpt):
@@ -168,37 +171,6 @@ def test_bad_prompt_files_exit_2_with_one_line(tmp_path, char_ckpt, make, says):
 def test_a_stop_text_outside_the_vocabulary_is_an_error(char_ckpt):
     with pytest.raises(UserError, match=r"--stop: .*'€'"):
         sample.main([f"--out_dir={char_ckpt}", "--device=cpu", "--stop=€"])
-
-
-# ---------------------------------------------------------------------- SampleText, the streaming logic
-
-
-def feed(text_stream, tokenizer, ids):
-    pieces = [text_stream.add(i) for i in ids]
-    return pieces, pieces + [text_stream.finish()]
-
-
-def test_streaming_holds_back_what_may_become_the_stop_text():
-    tokenizer = CharTokenizer(sorted(set("Hello ROMEX then ROMEO: more")))
-    stream = sample.SampleText(tokenizer, stop_text="ROMEO:")
-    pieces, everything = feed(stream, tokenizer, tokenizer.encode("Hello ROMEX then ROMEO: more"))
-    assert "".join(everything) == stream.text == "Hello ROMEX then "
-    assert stream.done
-    assert "".join(pieces[:7]) == "Hello "  # printed as it comes, up to the R that may begin ROMEO:
-    assert "".join(pieces[:11]) == "Hello ROMEX"  # ROMEX is not ROMEO: out it goes
-    assert "".join(pieces[:20]) == "Hello ROMEX then "  # ROM is held back...
-    assert all(p == "" for p in pieces[20:])  # ...and never printed: it was the stop text
-
-
-def test_streaming_holds_back_split_utf8_characters_and_stops_at_a_stop_token():
-    tokenizer = GPT2Tokenizer()
-    text = "Fair 你好世界, café — ok"
-    ids = tokenizer.encode(text)
-    assert any(tokenizer.decode(ids[:n]).endswith("\ufffd") for n in range(len(ids)))  # split characters
-    stream = sample.SampleText(tokenizer, stop_tokens=[tokenizer.eot_token])
-    pieces, everything = feed(stream, tokenizer, ids + [tokenizer.eot_token] + tokenizer.encode(" more"))
-    assert not any("\ufffd" in p for p in pieces)
-    assert "".join(pieces) == "".join(everything) == stream.text == text
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,188 @@
+"""The generation engine (machinery/engine.py): streamed text, stop texts, and a request's tokens that do not
+depend on what else runs."""
+
+import pytest
+import torch
+
+from machinery import engine
+from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
+
+
+# ---------------------------------------------------------------------- StreamText, the streaming logic
+
+
+def feed(text_stream, tokenizer, ids):
+    pieces = [text_stream.add(i) for i in ids]
+    return pieces, pieces + [text_stream.finish()]
+
+
+def test_streaming_holds_back_what_may_become_the_stop_text():
+    tokenizer = CharTokenizer(sorted(set("Hello ROMEX then ROMEO: more")))
+    stream = engine.StreamText(tokenizer, stop=("ROMEO:",))
+    pieces, everything = feed(stream, tokenizer, tokenizer.encode("Hello ROMEX then ROMEO: more"))
+    assert "".join(everything) == stream.text == "Hello ROMEX then "
+    assert stream.done
+    assert "".join(pieces[:7]) == "Hello "  # printed as it comes, up to the R that may begin ROMEO:
+    assert "".join(pieces[:11]) == "Hello ROMEX"  # ROMEX is not ROMEO: out it goes
+    assert "".join(pieces[:20]) == "Hello ROMEX then "  # ROM is held back...
+    assert all(p == "" for p in pieces[20:])  # ...and never printed: it was the stop text
+
+
+def test_streaming_holds_back_split_utf8_characters_and_stops_at_a_stop_token():
+    tokenizer = GPT2Tokenizer()
+    text = "Fair 你好世界, café — ok"
+    ids = tokenizer.encode(text)
+    assert any(tokenizer.decode(ids[:n]).endswith("\ufffd") for n in range(len(ids)))  # split characters
+    stream = engine.StreamText(tokenizer, stop_tokens=[tokenizer.eot_token])
+    pieces, everything = feed(stream, tokenizer, ids + [tokenizer.eot_token] + tokenizer.encode(" more"))
+    assert not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) == "".join(everything) == stream.text == text
+
+
+
+
+def test_several_stop_texts_cut_at_the_first_to_appear_and_hold_back_the_longest_possible_start():
+    tokenizer = CharTokenizer(sorted(set("abc xyz. END")))
+    stream = engine.StreamText(tokenizer, stop=("END", "xyz."))
+    pieces, everything = feed(stream, tokenizer, tokenizer.encode("abc xyz abc xyz. END"))
+    assert stream.done and stream.text == "abc xyz abc "  # xyz. comes first, END never does
+    assert "".join(pieces[:4]) == "abc "  # ...
+    assert "".join(pieces[:7]) == "abc "  # "xyz" may begin "xyz.": held back
+    assert "".join(pieces[:8]) == "abc xyz "  # not followed by ".": out it goes
+
+
+# ---------------------------------------------------------------------- the engine
+
+
+def small_model(n_embd=64, n_layer=2, vocab_size=70, block_size=32, seed=0):
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=2, n_embd=n_embd))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)  # peaked distributions: varied text
+    return model
+
+
+class Tokens:
+    """A tokenizer of ids only (each id its own character), for engines fed token ids."""
+
+    kind, eot_token = "ids", None
+
+    def __init__(self, vocab_size):
+        self.vocab_size = vocab_size
+
+    def decode(self, ids):
+        return "".join(chr(0x4E00 + i) for i in ids)
+
+
+def run(runner, requests):
+    """Submit requests together, step until all are done; each one's generated token ids."""
+    generations = [runner.submit(r) for r in requests]
+    while not all(g.done for g in generations):
+        runner.step()
+    return [[t.id for t in g if t.id is not None and not t.prompt] for g in generations]
+
+
+NATIVE_BF16 = pytest.mark.skipif(not engine.can_pack("bfloat16"), reason="oneDNN packs bfloat16 only on CPUs "
+                                 "that compute it (AVX-512 BF16, AMX); dtype=auto picks float32 elsewhere")
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=NATIVE_BF16)])
+def test_a_requests_tokens_do_not_depend_on_what_else_runs(dtype):
+    """8 seeded requests of different prompt lengths together give each the tokens it gets alone. The model
+    is GPT-2's width (768, its MLP 3072 wide: oneDNN computes a single row of 3072 -> 768 with another
+    algorithm than two or more) in 1 layer; sampling at temperature 1 makes any difference in the logits
+    likely to change a token."""
+    model = engine.prepare(small_model(n_embd=768, n_layer=1, vocab_size=300, block_size=64), "cpu", dtype)
+    runner = engine.Engine(model, Tokens(300))
+    g = torch.Generator().manual_seed(1)
+    requests = [engine.Request(torch.randint(0, 300, (3 + 2 * i,), generator=g).tolist(), max_tokens=12,
+                               temperature=1.0, seed=i) for i in range(8)]
+    together = run(runner, requests)
+    assert [run(runner, [r])[0] for r in requests] == together
+    assert all(len(t) == 12 for t in together) and len({tuple(t) for t in together}) == 8
+
+
+def test_greedy_tokens_are_model_generates_cached_uncached_and_past_block_size():
+    """Greedy decoding through the engine gives model.generate's tokens: with the cache, without it
+    (use_cache=False: every window encoded again, as nanoGPT), and past block_size (the window slides)."""
+    model = small_model(block_size=16)
+    prompt = [1, 5, 9, 2, 7]
+    expected = model.generate(torch.tensor([prompt]), 30, temperature=0, use_cache=False)[0, 5:].tolist()
+    prepared = engine.prepare(small_model(block_size=16), "cpu", "float32")
+    for use_cache in (True, False):
+        runner = engine.Engine(prepared, Tokens(70), use_cache=use_cache)
+        assert run(runner, [engine.Request(prompt, max_tokens=30, temperature=0)]) == [expected]
+
+
+def test_stop_texts_stop_tokens_and_max_tokens_end_a_generation_with_its_reason():
+    model = engine.prepare(small_model(), "cpu", "float32")
+    runner = engine.Engine(model, Tokens(70))
+    free = run(runner, [engine.Request([3, 4], max_tokens=20, temperature=0.8, seed=1)])[0]
+    text = Tokens(70).decode(free)
+    cut = next(k for k in range(2, 18) if text.find(text[k:k + 2]) == k)  # a 2-token text first seen at k
+    stop_at = next(k for k in range(2, 18) if free.index(free[k]) == k)  # a token first drawn at k
+    g = runner.submit(engine.Request([3, 4], max_tokens=20, temperature=0.8, seed=1, stop=(text[cut:cut + 2],)))
+    h = runner.submit(engine.Request([3, 4], max_tokens=20, temperature=0.8, seed=1, stop_tokens=(free[stop_at],)))
+    i = runner.submit(engine.Request([3, 4], max_tokens=4, temperature=0.8, seed=1))
+    while not (g.done and h.done and i.done):
+        runner.step()
+    assert (g.finish_reason, h.finish_reason, i.finish_reason) == ("stop", "stop", "length")
+    assert g.text.text == text[:cut] and h.text.text == text[:stop_at] and i.text.text == text[:4]
+    assert g.completion_tokens == cut + 2  # drawn until the stop text was complete, then cut
+    assert h.completion_tokens == stop_at + 1  # the stop token was drawn; it is not part of the text
+
+
+def test_echo_scores_the_prompt_and_max_tokens_0_generates_nothing():
+    model = small_model()
+    runner = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70))
+    prompt = [3, 1, 4, 1, 5, 9]
+    g = runner.submit(engine.Request(prompt, max_tokens=0, logprobs=2, echo=True))
+    while not g.done:
+        runner.step()
+    events = list(g)
+    assert [e.id for e in events[:-1]] == prompt and all(e.prompt for e in events[:-1])
+    assert events[-1].id is None and events[-1].finish_reason == "length" and g.completion_tokens == 0
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([prompt]), every_position=True)
+    expected = torch.log_softmax(logits[0], -1)
+    assert events[0].logprob is None
+    for j in range(1, len(prompt)):
+        assert events[j].logprob == pytest.approx(expected[j - 1, prompt[j]].item(), abs=1e-5)
+        assert [t for t, _ in events[j].top] == torch.topk(expected[j - 1], 2).indices.tolist()
+
+
+def test_a_cancelled_generation_leaves_at_the_next_step_and_abort_all_ends_everything():
+    runner = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=1, max_waiting=1)
+    first = runner.submit(engine.Request([1, 2], max_tokens=1000))
+    runner.step()
+    second = runner.submit(engine.Request([1, 2], max_tokens=1000))
+    with pytest.raises(engine.QueueFull):
+        runner.submit(engine.Request([1, 2]))
+    runner.step()
+    assert runner.load == (1, 1) and first.completion_tokens >= 2 and second.completion_tokens == 0
+    first.cancel()
+    runner.step()  # the first leaves, the second takes its place in the same step
+    assert first.finish_reason == "abort" and runner.load == (1, 0) and second.completion_tokens >= 1
+    runner.abort_all()
+    assert second.finish_reason == "abort" and list(second)[-1].finish_reason == "abort"
+    runner.step()
+    assert runner.load == (0, 0)
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), pytest.param("bfloat16", 0.05, marks=NATIVE_BF16)])
+def test_packed_linear_computes_nn_linear_whatever_the_number_of_rows(dtype, tol):
+    """oneDNN's prepacked product equals nn.Linear's (float32: within rounding of 768-term sums; bfloat16:
+    its own rounding, 8 bits), and a row's result is the same in batches of 1 to 9 rows (bitwise)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(3072, 768).to(getattr(torch, dtype))
+    packed = engine.PackedLinear(linear)
+    x = torch.randn(9, 1, 3072).to(linear.weight.dtype)
+    with torch.no_grad():
+        whole = packed(x)
+        torch.testing.assert_close(whole.float(), linear(x).float(), atol=tol, rtol=tol)
+        for rows in range(1, 9):
+            assert torch.equal(packed(x[:rows]), whole[:rows])
