@@ -46,6 +46,7 @@ import torch
 
 from machinery import configurator, dataset, meta
 from machinery.bench_prepare import bench_prepare
+from machinery.bench_serve import bench_serve
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 from machinery.hardware import describe as describe_device
@@ -56,7 +57,8 @@ from train import TrainConfig, Trainer
 @dataclass
 class BenchConfig(TrainConfig):
     mode: str = setting("sample", "sample (generation with and without the KV cache), train (one training step), "
-                               "speedrun (whole train.py runs) or prepare (corpus preparation)")
+                               "speedrun (whole train.py runs), prepare (corpus preparation) or serve (serve.py "
+                               "under load; batch-1 decoding against transformers)")
     warmup: int = setting(1, "unmeasured runs (sample) or iterations (train) before the measured ones (compilation, "
                              "caches)")
     repeats: int = setting(3, "measured runs or iterations; the median is reported")
@@ -74,11 +76,15 @@ class BenchConfig(TrainConfig):
                                                                           "synthetic corpus is cut from")
     num_proc: int = setting(0, "mode=prepare: prepare's processes and tiktoken's threads (0: every core)")
     shard_tokens: int = setting(0, "mode=prepare: tokens per shard (0: prepare.py's 100M)")
+    clients: str = setting("1,8,32", "mode=serve: numbers of concurrent streaming clients, comma-separated")
+    serve_tokens: int = setting(100, "mode=serve: tokens each request generates")
 
     def validate(self):
         super().validate()
-        if self.mode not in ("sample", "train", "speedrun", "prepare"):
-            raise UserError(f"mode must be sample, train, speedrun or prepare, got {self.mode!r}")
+        if self.mode not in ("sample", "train", "speedrun", "prepare", "serve"):
+            raise UserError(f"mode must be sample, train, speedrun, prepare or serve, got {self.mode!r}")
+        if not all(c.strip().isdigit() and int(c) > 0 for c in self.clients.split(",")):
+            raise UserError(f"clients must be positive numbers separated by commas, got {self.clients!r}")
         if self.recipe not in NANOGPT_RECIPES:
             raise UserError(f"recipe must be cpu or gpu, got {self.recipe!r}")
         if self.mode == "speedrun" and self.recipe == "gpu" and not torch.cuda.is_available():
@@ -90,7 +96,7 @@ class BenchConfig(TrainConfig):
         for name in ("num_proc", "shard_tokens"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("repeats", "max_new_tokens", "prompt_len", "corpus_mb"):
+        for name in ("repeats", "max_new_tokens", "prompt_len", "corpus_mb", "serve_tokens"):
             if getattr(self, name) <= 0:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
         if self.prompt_len > self.block_size:
@@ -235,13 +241,13 @@ def bench_speedrun(cfg, workdir):
 
 def main(argv=None):
     cfg = configurator.parse(BenchConfig, argv, usage="python bench.py [config/FILE.py ...] [--key=value ...] "
-                                                      "--mode=sample|train|speedrun|prepare")
+                                                      "--mode=sample|train|speedrun|prepare|serve")
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         return {"sample": bench_sample, "train": bench_train, "speedrun": bench_speedrun,
-                "prepare": bench_prepare}[cfg.mode](cfg, workdir)
+                "prepare": bench_prepare, "serve": bench_serve}[cfg.mode](cfg, workdir)
 
 
 if __name__ == "__main__":

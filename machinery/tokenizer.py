@@ -48,6 +48,9 @@ class CharTokenizer:
     def decode(self, ids):
         return "".join(self.chars[i] for i in ids)
 
+    encode_with_specials = encode  # (no special tokens)
+    eos_text = None
+
 
 class GPT2Tokenizer:
     """GPT-2's byte-level BPE (tiktoken `gpt2`), 50257 tokens, <|endoftext|> = 50256."""
@@ -59,8 +62,15 @@ class GPT2Tokenizer:
         self.vocab_size = self.enc.n_vocab
         self.eot_token = self.enc.eot_token
 
+    eos_text = "<|endoftext|>"
+
     def encode(self, text):
+        """The ids of text, all of it as text (a literal <|endoftext|> is ordinary text, as in training data)."""
         return self.enc.encode_ordinary(text)
+
+    def encode_with_specials(self, text):
+        """The ids of text where <|endoftext|> is the special token (as Hugging Face and vLLM tokenize)."""
+        return self.enc.encode(text, allowed_special="all")
 
     def decode(self, ids):
         return self.enc.decode(list(ids))

@@ -1,0 +1,488 @@
+"""
+The HTTP API of serve.py: OpenAI's completions and chat completions over the generation engine, the
+tokenizer over HTTP as vLLM serves it, and a web page. FastAPI routes; the requests are checked here,
+field by field, so that every mistake gets OpenAI's error object and a 4xx status.
+
+    GET  /                      the web page (chat.html beside this file: no CDN, works offline)
+    GET  /health                {"status": "ok", "running": N, "waiting": M}
+    GET  /v1/models             the one model, by name
+    POST /v1/completions        prompt: a string, a list of token ids, or a list of either; max_tokens (16),
+                                temperature (1), top_p, top_k (an extension), n, stop, seed, stream, echo,
+                                logprobs (0-5), stream_options.include_usage
+    POST /v1/chat/completions   messages, rendered by CHAT_TEMPLATE; the other settings as above
+    GET  /tokenizer_info        eos / bos / pad tokens, the chat template, model_max_length
+    POST /tokenize              {"prompt", "add_special_tokens"} -> {"tokens", "count", "max_model_len"}
+    POST /detokenize            {"tokens"} -> {"prompt"}
+
+Semantics worth knowing:
+- A prompt longer than block_size keeps its last block_size tokens, as sample.py does; usage.prompt_tokens
+  counts those, and echo returns them.
+- Generation stops at <|endoftext|> for GPT-2 BPE models (as OpenAI's models stop at theirs), at a stop
+  text (cut from the text), or after max_tokens (finish_reason "stop" or "length"; "abort" when the
+  server shuts down mid-generation).
+- logprobs are the model's own log-probabilities (log-softmax of its logits, whatever the temperature),
+  for every token sampled, the stop token included; with echo the prompt's tokens come first, the first
+  one's None. top_logprobs: the `logprobs` most likely tokens at each position, by their text.
+- seed: choice i of a request draws with seed + i (its own torch.Generator), so the same seeded request
+  gives the same text alone or among others (machinery/engine.py). Without a seed, a random one.
+- With an API key, every route but / and /health needs `Authorization: Bearer KEY` (401 without).
+"""
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+from machinery.engine import QueueFull, Request
+from machinery.errors import UserError
+
+# The chat template, for base models (which were never trained on a chat format): the messages as a plain
+# dialogue, and the answer stops where the next turn would begin.
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+                 "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
+                 "{% else %}Assistant: {{ m['content'] }}\n{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}Assistant:{% endif %}")
+CHAT_STOP = "\nUser:"
+MAX_STOP_TEXTS = 4
+MAX_LOGPROBS = 5
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
+
+
+@dataclass
+class Limits:
+    """What one server takes on: beyond them a request is answered 429 (413 for the body)."""
+
+    max_tokens: int = 1024  # tokens a request may ask to generate, per choice
+    max_n: int = 8  # choices per request (prompts x n)
+    max_body: int = 1 << 20  # bytes of a request's body
+
+
+class APIError(Exception):
+    """A request the API refuses: its HTTP status and OpenAI's error object."""
+
+    def __init__(self, status, message, param=None, code=None, type="invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.code, self.type = status, param, code, type
+
+    def body(self):
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------------- reading a request
+
+
+def field(body, name, kinds, default=None, check=None, expect=""):
+    """body[name] (default when absent or null), of one of kinds (bool is not a number), passing check."""
+    value = body.get(name)
+    if value is None:
+        return default
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise APIError(400, f"{name} must be {expect}, got {json.dumps(value)[:80]}", name, "invalid_type")
+    if check is not None and not check(value):
+        raise APIError(400, f"{name} must be {expect}, got {json.dumps(value)[:80]}", name, "invalid_value")
+    return value
+
+
+class Requests:
+    """Reads the generation settings of a request body into engine Requests, one per choice."""
+
+    def __init__(self, server, body):
+        self.server = server
+        tokenizer, limits = server.tokenizer, server.limits
+        self.max_tokens = field(body, "max_tokens", int, 16, lambda v: v >= 0, "an integer >= 0")
+        if self.max_tokens > limits.max_tokens:
+            raise APIError(429, f"max_tokens {self.max_tokens} is more than this server's limit of "
+                                f"{limits.max_tokens}", "max_tokens", "limit_exceeded", "rate_limit_error")
+        self.temperature = field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2,
+                                 "a number from 0 to 2")
+        self.top_p = field(body, "top_p", (int, float), None, lambda v: 0 < v <= 1, "a number in (0, 1]")
+        self.top_k = field(body, "top_k", int, None, lambda v: v > 0 or v == -1, "a positive integer (-1: off)")
+        self.top_k = None if self.top_k == -1 else self.top_k
+        self.n = field(body, "n", int, 1, lambda v: v >= 1, "an integer >= 1")
+        self.seed = field(body, "seed", int, None, expect="an integer")
+        stop = field(body, "stop", (str, list), (), expect="a string or a list of strings")
+        stop = [stop] if isinstance(stop, str) else stop
+        if len(stop) > MAX_STOP_TEXTS or not all(isinstance(s, str) and s for s in stop):
+            raise APIError(400, f"stop must be a non-empty string or a list of at most {MAX_STOP_TEXTS}",
+                           "stop", "invalid_value")
+        self.stop = tuple(stop)
+        self.logprobs = field(body, "logprobs", int, None, lambda v: 0 <= v <= MAX_LOGPROBS,
+                              f"an integer from 0 to {MAX_LOGPROBS}")
+        self.echo = field(body, "echo", bool, False, expect="true or false")
+        self.stream = field(body, "stream", bool, False, expect="true or false")
+        options = field(body, "stream_options", dict, {}, expect="an object")
+        self.include_usage = field(options, "include_usage", bool, False, expect="true or false")
+        self.stop_tokens = (tokenizer.eot_token,) if tokenizer.eot_token is not None else ()
+        for name, neutral in (("best_of", 1), ("presence_penalty", 0), ("frequency_penalty", 0), ("suffix", None),
+                              ("logit_bias", {})):
+            if body.get(name) not in (None, neutral):
+                raise APIError(400, f"{name} is not supported by this server", name, "unsupported")
+
+    def choices(self, prompts):
+        """The engine Requests: for each prompt, n choices (choice i with seed + i)."""
+        if len(prompts) * self.n > self.server.limits.max_n:
+            raise APIError(429, f"{len(prompts)} prompt(s) x n = {self.n} is more choices than this server's "
+                                f"limit of {self.server.limits.max_n}", "n", "limit_exceeded", "rate_limit_error")
+        return [Request(ids, self.max_tokens, self.temperature, self.top_k, self.top_p,
+                        None if self.seed is None else self.seed + i, self.stop, self.stop_tokens, self.logprobs,
+                        self.echo) for ids in prompts for i in range(self.n)]
+
+
+def prompts_of(server, prompt):
+    """The prompts of a completions request as lists of token ids: a string, a list of ids, or a list of
+    either (lm-evaluation-harness sends lists of ids)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise APIError(400, "prompt must be a string, a list of token ids, or a non-empty list of either",
+                       "prompt", "invalid_type")
+    return [server.encode(p, "prompt") if isinstance(p, str) else server.check_ids(p, "prompt") for p in prompt]
+
+
+def _is_id(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---------------------------------------------------------------------- the answers
+
+
+class Completion:
+    """One choice being generated: its text, logprobs (as OpenAI writes them) and end, from Token events."""
+
+    def __init__(self, server, generation, index, chat=False):
+        self.server, self.generation, self.index, self.chat = server, generation, index, chat
+        self.text, self.finish_reason = "", None
+        self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.prompt_ids, self.offset = [], 0
+
+    def add(self, token):
+        """Take a Token; return the text it adds to the choice (with echo: the prompt's, at its last token)."""
+        tokenizer, request = self.server.tokenizer, self.generation.request
+        added = token.text
+        if token.prompt:  # the echoed prompt, decoded whole when complete (BPE tokens can split characters)
+            self.prompt_ids.append(token.id)
+            added = tokenizer.decode(self.prompt_ids) if len(self.prompt_ids) == self.generation.prompt_tokens else ""
+        if token.id is not None and request.logprobs is not None:
+            piece = tokenizer.decode([token.id])
+            top = {tokenizer.decode([i]): lp for i, lp in token.top} if token.top is not None else None
+            for key, value in (("tokens", piece), ("token_logprobs", token.logprob), ("top_logprobs", top),
+                               ("text_offset", self.offset)):
+                self.logprobs[key].append(value)
+            self.offset += len(piece)
+        self.text += added
+        self.finish_reason = token.finish_reason
+        return added
+
+    def choice(self, delta=None, logprobs=None):
+        """This choice in a response (delta: in a stream chunk)."""
+        if self.chat:
+            content = self.text.lstrip() if delta is None else delta
+            message = {"role": "assistant", "content": content}
+            return {"index": self.index, ("message" if delta is None else "delta"): message,
+                    "finish_reason": self.finish_reason}
+        chosen = self.logprobs if logprobs is None else logprobs
+        return {"index": self.index, "text": self.text if delta is None else delta,
+                "logprobs": chosen if self.generation.request.logprobs is not None else None,
+                "finish_reason": self.finish_reason}
+
+
+def usage(completions):
+    prompt = sum(c.generation.prompt_tokens for c in completions)
+    done = sum(c.generation.completion_tokens for c in completions)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+
+class Server:
+    """The state the routes share: the engine, the tokenizer, the model's name and the limits."""
+
+    def __init__(self, engine, tokenizer, name, limits, api_key=None):
+        self.engine, self.tokenizer, self.name, self.limits, self.api_key = engine, tokenizer, name, limits, api_key
+        self.block_size = engine.block_size
+
+    def encode(self, text, param):
+        try:
+            return self.tokenizer.encode_with_specials(text)
+        except UserError as e:  # a character outside a character-level vocabulary
+            raise APIError(400, f"{param}: {e}", param, "invalid_value") from None
+
+    def check_ids(self, ids, param):
+        vocab = self.tokenizer.vocab_size
+        if not ids or not all(_is_id(t) and 0 <= t < vocab for t in ids):
+            raise APIError(400, f"{param}: token ids must be integers from 0 to {vocab - 1} (this model's "
+                                f"vocabulary), and a prompt needs at least one", param, "invalid_value")
+        return ids
+
+    def check_model(self, body):
+        model = field(body, "model", str, self.name, expect="a string")
+        if model != self.name:
+            raise APIError(404, f"the model {model!r} does not exist; this server has {self.name!r}", "model",
+                           "model_not_found")
+
+    def submit(self, requests, chat=False):
+        """Start every choice on the engine; their Completions and the queue their Tokens arrive on."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        completions = []
+        try:
+            for i, request in enumerate(requests):
+                generation = self.engine.submit(
+                    request, sink=lambda token, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, token)))
+                completions.append(Completion(self, generation, i, chat))
+        except QueueFull as e:
+            for c in completions:
+                c.generation.cancel()
+            raise APIError(429, f"the server is busy: {e}; try again later", None, "queue_full",
+                           "rate_limit_error") from None
+        return completions, queue
+
+    def cancel(self, completions):
+        for c in completions:
+            c.generation.cancel()
+
+
+def response_id(chat):
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+async def collect(completions, queue):
+    """Wait until every choice has ended."""
+    while any(c.finish_reason is None for c in completions):
+        i, token = await queue.get()
+        completions[i].add(token)
+
+
+async def stream(server, completions, queue, chat, include_usage):
+    """Server-sent events: a chunk per token text (or logprobs) of any choice as it arrives, then each
+    choice's end, then usage (when asked), then [DONE]. A client that hangs up cancels every choice."""
+    rid, created = response_id(chat), int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices, **extra):
+        return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": server.name,
+                                      "choices": choices, **extra}) + "\n\n"
+
+    try:
+        if chat:
+            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                         for c in completions])
+        started = [False] * len(completions)
+        while any(c.finish_reason is None for c in completions):
+            i, token = await queue.get()
+            c = completions[i]
+            before = {k: len(v) for k, v in c.logprobs.items()}
+            text = c.add(token)
+            if chat and not started[i]:
+                text = text.lstrip()
+                started[i] = bool(text)
+            logprobs = {k: v[before[k]:] for k, v in c.logprobs.items()}
+            if text or logprobs["tokens"] or c.finish_reason:
+                yield chunk([c.choice(delta=text, logprobs=logprobs) if not chat else
+                             {"index": i, "delta": {"content": text} if text else {},
+                              "finish_reason": c.finish_reason}])
+        if include_usage:
+            yield chunk([], usage=usage(completions))
+        yield "data: [DONE]\n\n"
+    finally:
+        server.cancel(completions)
+
+
+def completion_body(server, completions, chat):
+    return {"id": response_id(chat), "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": server.name, "choices": [c.choice() for c in completions],
+            "usage": usage(completions)}
+
+
+def render_chat(messages):
+    """The prompt text of chat messages (CHAT_TEMPLATE)."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages",
+                       "invalid_type")
+    for m in messages:
+        if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                and isinstance(m.get("content"), str)):
+            raise APIError(400, "each message must be {\"role\": \"system\" | \"user\" | \"assistant\", "
+                                "\"content\": a string}", "messages", "invalid_value")
+    return chat_template().render(messages=messages, add_generation_prompt=True)
+
+
+_template = None
+
+
+def chat_template():
+    global _template
+    if _template is None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        _template = ImmutableSandboxedEnvironment().from_string(CHAT_TEMPLATE)
+    return _template
+
+
+# ---------------------------------------------------------------------- the application
+
+
+def create_app(server):
+    """The FastAPI application of a Server (serve.py runs it with uvicorn)."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title="gpt serve.py", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, limit=server.limits.max_body)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e):  # unknown routes (404), wrong methods (405)
+        code = "not_found" if e.status_code == 404 else "method_not_allowed" if e.status_code == 405 else None
+        return JSONResponse(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                                     code=code).body(), status_code=e.status_code)
+
+    add_generation_routes(app, server)
+    add_tokenizer_routes(app, server)
+    return app
+
+
+async def body_of(server, request):
+    """The request's JSON object, after the API key (when the server has one)."""
+    if server.api_key is not None and request.headers.get("authorization") != f"Bearer {server.api_key}":
+        raise APIError(401, "missing or wrong API key; send Authorization: Bearer KEY", None, "invalid_api_key")
+    if request.method != "POST":
+        return {}
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON ({str(e)[:100]})", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", None, "invalid_json")
+    return body
+
+
+async def answer(server, prompts, requests, chat):
+    """Run the choices; a stream of server-sent events, or the whole response."""
+    from fastapi.responses import StreamingResponse
+
+    completions, queue = server.submit(requests.choices(prompts), chat)
+    if requests.stream:
+        return StreamingResponse(stream(server, completions, queue, chat, requests.include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        await collect(completions, queue)
+    finally:
+        server.cancel(completions)
+    return completion_body(server, completions, chat)
+
+
+def add_generation_routes(app, server):
+    """The page, health, models, completions and chat completions."""
+    from fastapi import Request as HTTPRequest
+    from fastapi.responses import FileResponse
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(PAGE, media_type="text/html")
+
+    @app.get("/health")
+    async def health():
+        running, waiting = server.engine.load
+        return {"status": "ok", "running": running, "waiting": waiting}
+
+    @app.get("/v1/models")
+    async def models(request: HTTPRequest):
+        await body_of(server, request)
+        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": 0, "owned_by": "gpt",
+                                            "max_model_len": server.block_size}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        body = await body_of(server, request)
+        server.check_model(body)
+        if "prompt" not in body:
+            raise APIError(400, "prompt is required", "prompt", "missing")
+        requests = Requests(server, body)
+        return await answer(server, prompts_of(server, body["prompt"]), requests, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest):
+        body = await body_of(server, request)
+        server.check_model(body)
+        for name in ("logprobs", "top_logprobs", "echo"):
+            if body.pop(name, None) not in (None, False, 0):
+                raise APIError(400, f"{name} is not supported for chat completions here", name, "unsupported")
+        requests = Requests(server, body)
+        requests.stop = requests.stop + (CHAT_STOP,)
+        prompt = server.encode(render_chat(body.get("messages")), "messages")
+        return await answer(server, [prompt], requests, chat=True)
+
+
+def add_tokenizer_routes(app, server):
+    """The tokenizer over HTTP, as vLLM serves it (lm-evaluation-harness's tokenizer_backend=remote)."""
+    from fastapi import Request as HTTPRequest
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: HTTPRequest):
+        await body_of(server, request)
+        tokenizer = server.tokenizer
+        return {"tokenizer_class": tokenizer.kind, "eos_token": tokenizer.eos_text, "bos_token": None,
+                "pad_token": None, "chat_template": CHAT_TEMPLATE, "model_max_length": server.block_size,
+                "vocab_size": tokenizer.vocab_size}
+
+    @app.post("/tokenize")
+    async def tokenize(request: HTTPRequest):
+        body = await body_of(server, request)
+        field(body, "add_special_tokens", bool, True, expect="true or false")  # (no BOS here to add)
+        prompt = field(body, "prompt", str, None, expect="a string")
+        if prompt is None:
+            raise APIError(400, "prompt is required", "prompt", "missing")
+        tokens = server.encode(prompt, "prompt")
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": server.block_size}
+
+    @app.post("/detokenize")
+    async def detokenize(request: HTTPRequest):
+        body = await body_of(server, request)
+        tokens = field(body, "tokens", list, None, expect="a list of token ids")
+        if tokens is None:
+            raise APIError(400, "tokens is required", "tokens", "missing")
+        return {"prompt": server.tokenizer.decode(server.check_ids(tokens, "tokens"))}
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over limit bytes is answered 413 without being read whole."""
+
+    def __init__(self, app, limit):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self.refuse(send)
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _TooLarge:
+            await self.refuse(send)
+
+    async def refuse(self, send):
+        body = json.dumps(APIError(413, f"the request body is larger than this server's limit of {self.limit} "
+                                        f"bytes", None, "body_too_large").body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass

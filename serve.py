@@ -1,0 +1,112 @@
+"""
+Serve a model over HTTP, with OpenAI's API (what every client, SDK, chat UI and lm-evaluation-harness
+speaks), to many users at once:
+
+    python serve.py --out_dir=out-shakespeare-char          # http://127.0.0.1:8000: a web page, and /v1/...
+    python serve.py --init_from=gpt2 --port=8080 --api_key=secret
+
+The model is chosen as in sample.py (--out_dir / --init_from / --ckpt / --meta, --device, --dtype). Requests
+are batched together by the generation engine (machinery/engine.py), each with its own settings and seed;
+machinery/openai_api.py lists the routes and what they do. Clients:
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client.completions.create(model="out-shakespeare-char", prompt="ROMEO:", max_tokens=100)
+
+Ctrl-C or SIGTERM ends the generations in progress (their streams end with finish_reason "abort" and
+[DONE]) and exits 0. Needs FastAPI and uvicorn: pip install fastapi==0.165.0 uvicorn==0.54.0
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from machinery import configurator, engine, loading, openai_api
+from machinery.configurator import setting
+from machinery.errors import UserError, run_main
+
+INSTALL = "pip install fastapi==0.165.0 uvicorn==0.54.0"
+
+
+@dataclass
+class ServeConfig(loading.RunSource):
+    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0: every interface; then set an api_key)")
+    port: int = setting(8000, "port to listen on")
+    api_key: Optional[str] = setting(None, "require Authorization: Bearer API_KEY on the API's routes")
+    model_name: Optional[str] = setting(None, "the model's name in the API (None: the out_dir's or init_from's "
+                                              "last part)")
+    max_batch: int = setting(32, "requests decoded together at most (the others wait their turn)")
+    max_waiting: int = setting(256, "requests waiting at most; more are answered 429")
+    max_tokens: int = setting(1024, "tokens a request may ask to generate at most (per choice); more: 429")
+    max_n: int = setting(8, "choices per request at most (prompts x n); more: 429")
+    max_body: int = setting(1 << 20, "bytes of a request body at most; more: 413")
+    compile: bool = setting(False, "torch.compile the model")
+
+    def validate(self):
+        super().validate()
+        for name in ("max_batch", "max_waiting", "max_n", "max_body", "max_tokens"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.port < 65536:
+            raise UserError(f"port must be from 1 to 65535, got {self.port}")
+
+    @property
+    def served_name(self):
+        return self.model_name or os.path.basename(os.path.normpath(self.name))
+
+
+def build(cfg):
+    """The model loaded, its engine (not started) and the API's shared state."""
+    loaded = loading.load_run(cfg)
+    model = engine.prepare(loaded.model, loaded.device, loaded.dtype)
+    if cfg.compile:
+        model.compile(dynamic=True)
+    runner = engine.Engine(model, loaded.tokenizer, loaded.device, cfg.max_batch, cfg.max_waiting)
+    limits = openai_api.Limits(cfg.max_tokens, cfg.max_n, cfg.max_body)
+    return openai_api.Server(runner, loaded.tokenizer, cfg.served_name, limits, cfg.api_key), loaded
+
+
+def import_uvicorn():
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise UserError(f"serve.py needs FastAPI and uvicorn: {INSTALL}") from None
+    return uvicorn
+
+
+def main(argv=None):
+    cfg = configurator.parse(ServeConfig, argv, usage="python serve.py [--key=value ...]", extra_files_ok=False)
+    cfg.validate()
+    uvicorn = import_uvicorn()
+    server, loaded = build(cfg)
+    app = openai_api.create_app(server)
+
+    class Uvicorn(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                print(f"serving {server.name} ({loaded.device}, {loaded.dtype}) on http://{cfg.host}:{cfg.port} "
+                      f"(web page: /, API: /v1)", flush=True)
+
+        def handle_exit(self, sig, frame):
+            server.engine.abort_all()  # open streams end now (finish_reason abort, [DONE]), then uvicorn stops
+            super().handle_exit(sig, frame)
+            # handled in full: uvicorn would raise the signal again once stopped (a death by SIGTERM, or a
+            # KeyboardInterrupt traceback); the server exits 0 instead
+            self._captured_signals.clear()
+
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10)
+    http = Uvicorn(config)
+    server.engine.start()
+    try:
+        http.run()
+    finally:
+        server.engine.stop()
+    if not http.started:
+        raise UserError(f"cannot listen on {cfg.host}:{cfg.port} (in use, or not an address of this machine); "
+                        f"pick another --port or --host")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,437 @@
+"""serve.py through what its users point at it: the openai client, lm-evaluation-harness, a browser, curl-like
+raw HTTP (bad requests, streams that hang up), and SIGTERM. The server runs on 127.0.0.1 at a free port, in
+this process (uvicorn in a thread) except where the process boundary is the point (SIGTERM); the model is a
+small random character-level checkpoint, run in float32 so that the expected values computed here, with the
+model's plain forward, are exact to float32 rounding."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+import uvicorn
+from openai import OpenAI
+
+import sample
+import serve
+from conftest import ROOT, free_port, kill_tree, make_corpus, read_lines, run_in_process, wait_for_line
+from machinery import checkpoint, configurator, engine, openai_api
+from machinery.meta import DatasetMeta
+from machinery.tokenizer import CharTokenizer
+from model import GPT, GPTConfig
+from train import TrainConfig
+
+NAME = "tiny"  # the served model's name: its out_dir's last part
+TOL = 1e-5  # log-probabilities: oneDNN's prepacked products against PyTorch's, both float32 (sums of ~100 terms)
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    """out_dir/best.pt of a random character-level model (block 64) over make_corpus()'s characters."""
+    tokenizer = CharTokenizer(sorted(set(make_corpus())))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_embd=32))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)  # larger than GPT-2's init: varied text
+    out = tmp_path_factory.mktemp("serve") / NAME
+    out.mkdir()
+    state = checkpoint.training_state(model.state_dict(), model.config, TrainConfig(), DatasetMeta.of(tokenizer),
+                                      iter_num=0, best_val_loss=float("inf"))
+    checkpoint.save(state, str(out / checkpoint.BEST))
+    return out
+
+
+
+@contextlib.contextmanager
+def serving(ckpt_dir, *settings):
+    """serve.py's server (its build() and app) on 127.0.0.1 at a free port, in a thread of this process."""
+    port = free_port()
+    cfg = configurator.parse(serve.ServeConfig, [f"--out_dir={ckpt_dir}", "--device=cpu", "--dtype=float32",
+                                                 f"--port={port}", *settings])
+    cfg.validate()
+    server, _ = serve.build(cfg)
+    http = uvicorn.Server(uvicorn.Config(openai_api.create_app(server), host="127.0.0.1", port=port,
+                                         log_level="warning"))
+    server.engine.start()
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not http.started and time.time() < deadline:
+        time.sleep(0.02)
+    assert http.started
+    server.url = f"http://127.0.0.1:{port}"
+    try:
+        yield server
+    finally:
+        http.should_exit = True
+        server.engine.stop()
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(ckpt_dir):
+    with serving(ckpt_dir, "--max_tokens=100000") as s:
+        yield s
+
+
+def client(server, **kw):
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60, **kw)
+
+
+def reference_logprobs(ckpt_dir, ids):
+    """log_softmax of the model's plain float32 forward (no cache, no engine) at every position of ids."""
+    model = checkpoint.load(str(ckpt_dir / checkpoint.BEST)).build_model().eval()
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([ids]), torch.tensor([ids]))  # with targets: every position's logits
+    return F.log_softmax(logits[0].double(), dim=-1)
+
+
+# ---------------------------------------------------------------------- through the openai client
+
+
+def test_greedy_completion_equals_sample_py(server, ckpt_dir):
+    answer = client(server).completions.create(model=NAME, prompt="ROMEO:", max_tokens=40, temperature=0)
+    printed = run_in_process(sample.main, f"--out_dir={ckpt_dir}", "--device=cpu", "--dtype=float32",
+                             "--start=ROMEO:", "--max_new_tokens=40", "--temperature=0", "--num_samples=1",
+                             check=True).stdout
+    assert printed == "ROMEO:" + answer.choices[0].text + "\n---------------\n"
+    assert answer.model == NAME and answer.object == "text_completion"
+    assert answer.choices[0].finish_reason == "length" and len(answer.choices[0].text) == 40  # one char a token
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens, answer.usage.total_tokens) == (6, 40, 46)
+
+
+def test_a_prompt_longer_than_block_size_keeps_its_last_block_size_tokens_as_in_sample_py(server, ckpt_dir):
+    long = make_corpus()[:100]  # 100 characters, block_size 64
+    answer = client(server).completions.create(model=NAME, prompt=long, max_tokens=20, temperature=0)
+    printed = run_in_process(sample.main, f"--out_dir={ckpt_dir}", "--device=cpu", "--dtype=float32",
+                             f"--start={long}", "--max_new_tokens=20", "--temperature=0", "--num_samples=1",
+                             check=True)
+    assert "keeping its last 64" in printed.stderr
+    assert printed.stdout == long + answer.choices[0].text + "\n---------------\n"
+    assert answer.usage.prompt_tokens == 64
+
+
+def test_n_choices_draw_with_seed_plus_i_and_usage_comes_last_when_asked(server):
+    together = client(server).completions.create(model=NAME, prompt=["KING", "LADY"], n=2, max_tokens=8,
+                                                  seed=10, temperature=1.0)
+    assert [c.index for c in together.choices] == [0, 1, 2, 3]
+    for i, (prompt, seed) in enumerate([("KING", 10), ("KING", 11), ("LADY", 10), ("LADY", 11)]):
+        alone = client(server).completions.create(model=NAME, prompt=prompt, max_tokens=8, seed=seed,
+                                                  temperature=1.0)
+        assert together.choices[i].text == alone.choices[0].text
+    assert together.usage.completion_tokens == 4 * 8 and together.usage.prompt_tokens == 4 * 4
+    chunks = list(client(server).completions.create(model=NAME, prompt="KING", max_tokens=5, stream=True,
+                                                    stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+
+
+def test_serve_py_mistakes_are_one_line_errors(ckpt_dir, monkeypatch):
+    from conftest import assert_one_error_line
+
+    assert_one_error_line(run_in_process(serve.main, f"--out_dir={ckpt_dir}", "--port=0"), "port")
+    assert_one_error_line(run_in_process(serve.main, f"--out_dir={ckpt_dir}", "--max_batch=0"), "max_batch")
+    real_import = __builtins__["__import__"] if isinstance(__builtins__, dict) else __builtins__.__import__
+
+    def without_uvicorn(name, *args, **kwargs):
+        if name == "uvicorn":
+            raise ImportError("No module named 'uvicorn'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.__import__", without_uvicorn)
+    assert_one_error_line(run_in_process(serve.main, f"--out_dir={ckpt_dir}"),
+                          "pip install fastapi==0.165.0 uvicorn==0.54.0")
+
+
+def test_streamed_chunks_join_to_the_whole_text_and_the_raw_stream_ends_with_done(server):
+    args = dict(model=NAME, prompt="JULIET:", max_tokens=30, temperature=0.9, top_k=20, seed=7)
+    whole = client(server).completions.create(**{k: v for k, v in args.items() if k != "top_k"},
+                                              extra_body={"top_k": 20}).choices[0]
+    chunks = list(client(server).completions.create(stream=True, **{k: v for k, v in args.items() if k != "top_k"},
+                                                    extra_body={"top_k": 20}))
+    assert "".join(c.choices[0].text for c in chunks) == whole.text and len(whole.text) == 30
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=dict(args, stream=True), timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]) == whole.text
+
+
+def test_echo_and_logprobs_equal_the_log_softmax_of_the_models_forward(server, ckpt_dir):
+    tokenizer = server.tokenizer
+    prompt = tokenizer.encode("KING HENRY: my lord")  # as token ids, as lm-evaluation-harness sends them
+    answer = client(server).completions.create(model=NAME, prompt=prompt, echo=True, logprobs=3, max_tokens=4,
+                                               temperature=0)
+    choice = answer.choices[0]
+    lp = choice.logprobs
+    generated = [tokenizer.stoi[c] for c in choice.text[len("KING HENRY: my lord"):]]
+    ids = prompt + generated
+    assert choice.text == tokenizer.decode(ids) and len(generated) == 4
+    assert lp.tokens == [tokenizer.decode([i]) for i in ids]
+    assert lp.text_offset == list(range(len(ids)))  # one character per token
+    expected = reference_logprobs(ckpt_dir, ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    for j in range(1, len(ids)):
+        assert lp.token_logprobs[j] == pytest.approx(expected[j - 1, ids[j]].item(), abs=TOL)
+        top = torch.topk(expected[j - 1], 3)
+        assert list(lp.top_logprobs[j]) == [tokenizer.decode([i]) for i in top.indices.tolist()]
+        assert list(lp.top_logprobs[j].values()) == pytest.approx(top.values.tolist(), abs=TOL)
+    for j in range(len(prompt), len(ids)):  # greedy: each generated token is its position's most likely
+        assert ids[j] == expected[j - 1].argmax().item()
+
+
+def test_chat_completions_answer_as_the_assistant_streamed_and_not(server):
+    messages = [{"role": "system", "content": "A play."}, {"role": "user", "content": "Who art thou?"}]
+    answer = client(server).chat.completions.create(model=NAME, messages=messages, max_tokens=12, seed=3)
+    message = answer.choices[0].message
+    assert answer.object == "chat.completion" and message.role == "assistant" and message.content
+    assert answer.usage.prompt_tokens == len("A play.\n\nUser: Who art thou?\nAssistant:")  # the template
+    chunks = list(client(server).chat.completions.create(model=NAME, messages=messages, max_tokens=12, seed=3,
+                                                         stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    assert chunks[-1].choices[0].finish_reason == answer.choices[0].finish_reason
+
+
+def test_eight_concurrent_seeded_streams_each_equal_the_same_request_alone(server, monkeypatch):
+    requests = [dict(model=NAME, prompt=text, max_tokens=40, temperature=1.0, seed=seed, stream=True)
+                for seed, text in enumerate(["ROMEO:", "JULIET: ", "KING", "LADY", "the ", "O", "what", "love"])]
+    rows, step = [], engine.Engine.step
+    monkeypatch.setattr(engine.Engine, "step", lambda self: rows.append(len(self.rows)) or step(self))
+
+    def streamed(args):
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=args, timeout=60) as r:
+            return "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                           if line.startswith("data: {"))
+
+    threads, together = [], [None] * 8
+    for i, args in enumerate(requests):
+        threads.append(threading.Thread(target=lambda i=i, a=args: together.__setitem__(i, streamed(a))))
+        threads[-1].start()
+    for t in threads:
+        t.join(timeout=60)
+    assert max(rows) >= 4  # they did run together
+    rows.clear()
+    alone = [streamed(args) for args in requests]
+    assert max(rows) == 1
+    assert together == alone and all(len(t) == 40 for t in alone)
+
+
+# ---------------------------------------------------------------------- lm-evaluation-harness
+
+
+def test_lm_evaluation_harness_scores_every_choice_as_the_model_does(server, ckpt_dir, tmp_path):
+    """lm-evaluation-harness's own evaluator, as `lm_eval --model local-completions --model_args
+    model=NAME,base_url=.../v1/completions,tokenizer_backend=remote --include_path DIR --tasks tiny_mc` runs
+    it (in this process, its task index limited to the task given: the CLI first indexes its ~10,000 built-in
+    tasks, 7 s), on a local multiple-choice task: it tokenizes through /tokenize, scores through echo and
+    logprobs, and every log-likelihood it reports equals the model's own."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    docs = [{"question": "ROMEO: the king", "choices": ["is good", "was bad", "sleeps"], "answer": 0},
+            {"question": "JULIET: my lord", "choices": ["speak", "love thee", "go"], "answer": 1}]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "tiny_mc.yaml").write_text(
+        f"task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'data.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    results = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["tiny_mc"], log_samples=True,
+        model_args=f"model={NAME},base_url={server.url}/v1/completions,tokenizer_backend=remote",
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
+    samples = results["samples"]["tiny_mc"]
+    assert len(samples) == 2
+    encode = server.tokenizer.encode
+    for sample_ in samples:
+        doc = docs[sample_["doc_id"]]
+        for choice, (loglikelihood, greedy) in zip(doc["choices"], sample_["filtered_resps"]):
+            context, whole = encode(doc["question"]), encode(doc["question"] + " " + choice)
+            expected = reference_logprobs(ckpt_dir, whole)
+            ours = sum(expected[j - 1, whole[j]].item() for j in range(len(context), len(whole)))
+            assert float(loglikelihood) == pytest.approx(ours, abs=TOL * len(whole))
+            is_greedy = all(expected[j - 1].argmax().item() == whole[j] for j in range(len(context), len(whole)))
+            assert (greedy in (True, "True")) == is_greedy
+    assert results["results"]["tiny_mc"]["acc,none"] in (0.0, 0.5, 1.0)
+
+
+# ---------------------------------------------------------------------- bad requests, limits, hang-ups
+
+
+BAD = [  # (what is sent, status, the error's param, code)
+    ("not json", 400, None, "invalid_json"),
+    ([1, 2], 400, None, "invalid_json"),
+    ({"prompt": 5}, 400, "prompt", "invalid_type"),
+    ({"prompt": []}, 400, "prompt", "invalid_type"),
+    ({"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens", "invalid_type"),
+    ({"prompt": "a", "max_tokens": -1}, 400, "max_tokens", "invalid_value"),
+    ({"prompt": "a", "temperature": 3}, 400, "temperature", "invalid_value"),
+    ({"prompt": "a", "temperature": True}, 400, "temperature", "invalid_type"),
+    ({"prompt": "a", "top_p": 0}, 400, "top_p", "invalid_value"),
+    ({"prompt": "a", "logprobs": 6}, 400, "logprobs", "invalid_value"),
+    ({"prompt": "a", "stop": ["a", ""]}, 400, "stop", "invalid_value"),
+    ({"prompt": "a", "n": 0}, 400, "n", "invalid_value"),
+    ({"prompt": [[1, 2], [3, 10**6]]}, 400, "prompt", "invalid_value"),  # a token id outside the vocabulary
+    ({"prompt": "日本"}, 400, "prompt", "invalid_value"),  # characters outside a character model's vocabulary
+    ({"prompt": "a", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ({"prompt": "a", "max_tokens": 10**6}, 429, "max_tokens", "limit_exceeded"),
+    ({"prompt": ["a", "b", "c"], "n": 3}, 429, "n", "limit_exceeded"),
+    ({"prompt": "a", "presence_penalty": 1.0}, 400, "presence_penalty", "unsupported"),
+    ({"prompt": "a" * (1 << 21)}, 413, None, "body_too_large"),
+]
+
+
+@pytest.mark.parametrize("sent, status, param, code", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_requests_get_openais_error_object_and_a_4xx(server, sent, status, param, code):
+    body = sent if isinstance(sent, str) else json.dumps(sent)
+    r = httpx.post(f"{server.url}/v1/completions", content=body, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert (error["param"], error["code"]) == (param, code)
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"  # alive afterwards
+
+
+def test_unknown_routes_methods_and_chat_messages_are_4xx_too(server):
+    for method, path, body, status in (("GET", "/v2/nothing", None, 404), ("GET", "/v1/completions", None, 405),
+                                       ("POST", "/v1/chat/completions", {"messages": "hi"}, 400),
+                                       ("POST", "/v1/chat/completions", {"messages": [{"role": "bot"}]}, 400),
+                                       ("POST", "/detokenize", {"tokens": [-1]}, 400)):
+        r = httpx.request(method, f"{server.url}{path}", json=body, timeout=30)
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_stream_that_hangs_up_frees_its_place_and_a_full_queue_is_429(ckpt_dir):
+    with serving(ckpt_dir, "--max_batch=1", "--max_waiting=1", "--max_tokens=1000000") as small:
+        endless = dict(prompt="ROMEO:", max_tokens=1000000, stream=True)  # (hours of tokens)
+        with httpx.stream("POST", f"{small.url}/v1/completions", json=endless, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))  # it runs, in the one place
+            waiting = threading.Thread(target=lambda: httpx.post(f"{small.url}/v1/completions", timeout=60,
+                                                                 json=dict(prompt="a", max_tokens=3)))
+            waiting.start()
+            deadline = time.time() + 30
+            while small.engine.load != (1, 1) and time.time() < deadline:
+                time.sleep(0.01)
+            full = httpx.post(f"{small.url}/v1/completions", json=dict(prompt="a", max_tokens=3), timeout=30)
+            assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+        # the client hung up: its place goes to the one waiting, which finishes (it could not, otherwise)
+        waiting.join(timeout=30)
+        assert not waiting.is_alive()
+        after = httpx.post(f"{small.url}/v1/completions", json=dict(prompt="b", max_tokens=3), timeout=30)
+        assert after.status_code == 200 and small.engine.load == (0, 0)
+
+
+def test_an_api_key_is_required_when_set(ckpt_dir):
+    with serving(ckpt_dir, "--api_key=s3cret") as guarded:
+        r = httpx.post(f"{guarded.url}/v1/completions", json={"prompt": "a"}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{guarded.url}/health", timeout=30).status_code == 200  # (open: for load balancers)
+        answer = OpenAI(base_url=f"{guarded.url}/v1", api_key="s3cret", max_retries=0).completions.create(
+            model=NAME, prompt="a", max_tokens=2)
+        assert len(answer.choices[0].text) == 2
+
+
+def test_tokenizer_over_http_as_vllm_serves_it(server):
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] is None and info["model_max_length"] == 64
+    assert info["chat_template"] == openai_api.CHAT_TEMPLATE
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "KING", "add_special_tokens": False}).json()
+    assert tokens["tokens"] == server.tokenizer.encode("KING") and tokens["count"] == 4
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "KING"}
+
+
+def test_sigterm_ends_open_streams_cleanly_and_exits_0(ckpt_dir, spawn):
+    port = free_port()
+    proc = read_lines(spawn([sys.executable, str(ROOT / "serve.py"), f"--out_dir={ckpt_dir}", "--device=cpu",
+                             f"--port={port}", "--max_tokens=1000000"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")))
+    wait_for_line(proc, r"^serving tiny", timeout=120)
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                      json=dict(prompt="ROMEO:", max_tokens=1000000, stream=True)) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert proc.wait(timeout=60) == 0
+    kill_tree(proc)
+
+
+# ---------------------------------------------------------------------- the web page, in a real browser
+
+
+@pytest.fixture
+def browser(tmp_path):
+    """Debian's Chromium, headless, driven by its ChromeDriver (.ci/run installs both where missing)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1100,800", f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_the_web_page_streams_the_text_and_stop_stops_it(server, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(server.url + "/")
+    assert browser.title.startswith("gpt")
+    wait = WebDriverWait(browser, 30)
+    wait.until(lambda b: NAME in b.find_element(By.ID, "model").text, "the model's name")  # from /v1/models
+    prompt = browser.find_element(By.ID, "prompt")
+    prompt.clear()
+    prompt.send_keys("KING")
+    for field_id, value in (("temperature", "0.9"), ("max_tokens", "100000")):  # a stream of minutes
+        element = browser.find_element(By.ID, field_id)
+        element.clear()
+        element.send_keys(value)
+    browser.find_element(By.ID, "send").click()
+    output = lambda b: b.find_element(By.ID, "output").text  # noqa: E731
+    wait.until(lambda b: len(output(b)) > len("KING") + 20, "streamed text")  # it arrives while the stream goes on
+    assert output(browser).startswith("KING") and server.engine.load[0] == 1
+    browser.find_element(By.ID, "stop").click()
+    wait.until(lambda b: b.find_element(By.ID, "status").text == "stopped", "status: stopped")
+    wait.until(lambda b: server.engine.load == (0, 0), "the server's row freed")  # Stop ended it there too
+    stopped = output(browser)
+    time.sleep(0.3)
+    assert output(browser) == stopped and browser.find_element(By.ID, "send").is_enabled()
+
+
+def test_bench_serve_clients_stream_what_the_server_generates(server):
+    """bench.py --mode=serve's clients: each stream's text is the request's (the same seeded request, not
+    streamed), every token is timed (a first-token time and one gap between each two)."""
+    import asyncio
+
+    from machinery import bench_serve
+
+    requests = [(server.tokenizer.encode(text), seed) for seed, text in enumerate(["ROMEO:", "KING"])]
+    texts, rate, first, gaps = asyncio.run(bench_serve.load(f"{server.url}/v1/completions", requests, 6))
+    for (prompt, seed), text in zip(requests, texts):
+        whole = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                           json={"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": seed}).json()
+        assert text == whole["choices"][0]["text"] and len(text) == 6
+    assert len(first) == 2 and len(gaps) == 2 * 5 and min(first + gaps) > 0 and rate > 0
+    assert bench_serve.percentile([5, 1, 4, 2, 3], 50) == 3 and bench_serve.percentile([5, 1, 4, 2, 3], 99) == 5
