@@ -82,9 +82,7 @@ def main(argv=None):
     cfg.validate()
     loaded = loading.load_run(cfg)
     tokenizer = loaded.tokenizer
-    model = engine.prepare(loaded.model, loaded.device, loaded.dtype)
-    if cfg.compile:
-        model.compile(dynamic=True)  # in place: the engine's calls to the model run compiled
+    model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile)
     prompt = read_prompt(cfg.start)
     if not prompt:
         raise UserError("the prompt is empty; give some text with --start")

@@ -201,11 +201,16 @@ class PackedLinear(nn.Module):
         return y[:rows].reshape(*x.shape[:-1], -1)
 
 
-def prepare(model, device, dtype):
+def prepare(model, device, dtype, compile=False):
     """The model ready to decode on device in dtype ("float32", "bfloat16", "float16"): in eval mode, its
     weights in dtype, and on the CPU its linear layers prepacked where oneDNN can (float32 on every x86 CPU,
-    bfloat16 where the CPU computes it natively: dtype=auto picks it only there)."""
+    bfloat16 where the CPU computes it natively: dtype=auto picks it only there). compile: torch.compile it
+    in place instead (inductor chooses its own kernels, and packs weights itself; whether a row's result then
+    depends on the others is up to them)."""
     model = model.eval().to(device=device, dtype=getattr(torch, dtype))
+    if compile:
+        model.compile(dynamic=True)  # in place: the engine's calls to the model run compiled
+        return model
     if torch.device(device).type == "cpu" and can_pack(dtype):
         for module in list(model.modules()):
             for name, child in list(module.named_children()):

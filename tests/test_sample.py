@@ -198,3 +198,21 @@ def test_bpe_samples_stop_at_endoftext_and_never_produce_padding_ids(bpe_ckpt):
     assert model.generate(torch.tensor([[15496]]), 2, temperature=0).tolist() == [[15496, 50257, 50257]]
     assert model.generate(torch.tensor([[15496]]), 2, temperature=0, vocab_size=50257).tolist() == \
         [[15496, 50256, 50256]]
+
+
+def test_compile_true_samples_through_the_compiled_model(char_ckpt, monkeypatch):
+    """--compile compiles the model in place (nn.Module.compile; the engine's calls then run compiled) instead
+    of prepacking its weights: the same greedy text. (dynamo's "eager" backend: the graphs are captured and
+    run, without inductor's C++ compilation, ~25 s from a cold cache.)"""
+    import torch.nn as nn
+
+    calls, real = [], nn.Module.compile
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: calls.append(kw) or real(self, backend="eager", **kw))
+    args = ["--start=ROMEO:", "--max_new_tokens=20", "--num_samples=2", "--temperature=0", "--dtype=float32"]
+    torch._dynamo.reset()
+    try:
+        compiled = sample_stdout(char_ckpt, *args, "--compile=True")
+    finally:
+        torch._dynamo.reset()
+    assert calls == [{"dynamic": True}]
+    assert compiled == sample_stdout(char_ckpt, *args)
