@@ -22,6 +22,7 @@ The server and the clients share the machine's cores (the clients' work is small
 """
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -32,11 +33,11 @@ import time
 
 import torch
 
-from machinery import convert, engine
+from machinery import convert, engine, loading
 from machinery.hardware import cpu_native
 from machinery.meta import DatasetMeta
-from machinery.tokenizer import GPT2Tokenizer
-from model import GPT, GPTConfig
+from machinery.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE
+from model import GPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,8 +45,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def gpt2_shaped(cfg, directory):
     """A random GPT-2-architecture model written as a Hugging Face directory; the model."""
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size or 50257, n_layer=cfg.n_layer,
-                          n_head=cfg.n_head, n_embd=cfg.n_embd, bias=True, gelu="tanh"))
+    # the model the bench settings ask for (as train.py derives it), with what makes it GPT-2's architecture
+    model = GPT(dataclasses.replace(cfg.gpt_config(cfg.vocab_size or GPT2_VOCAB_SIZE), bias=True, gelu="tanh"))
     config, tensors = convert.to_hf(model, DatasetMeta.gpt2())
     convert.write_hf(directory, config, tensors, DatasetMeta.gpt2())
     return model
@@ -76,9 +77,11 @@ def batch_one(cfg, hf_dir, dtype):
 
     logging.disable_progress_bar()
 
-    prompt = torch.randint(0, 50257, (cfg.prompt_len,), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    prompt = torch.randint(0, GPT2_VOCAB_SIZE, (cfg.prompt_len,),
+                           generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     n = cfg.serve_tokens
-    runner = engine.Engine(engine.prepare(GPT.from_pretrained(hf_dir), "cpu", dtype), GPT2Tokenizer())
+    loaded = loading.load(loading.ModelSource(init_from=hf_dir), "cpu", dtype)  # as serve.py's build loads it
+    runner = engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype), loaded.tokenizer, loaded.device)
 
     def ours():
         g = runner.submit(engine.Request(prompt, max_tokens=n, temperature=0))
@@ -91,7 +94,7 @@ def batch_one(cfg, hf_dir, dtype):
 
         def run():
             with torch.no_grad():
-                hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=50256)
+                hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=GPT2_EOT)
         return run
 
     runs = {f"ours ({dtype})": ours, "transformers generate (float32)": transformers(torch.float32)}
@@ -115,7 +118,7 @@ async def client(http, url, prompt, seed, tokens):
 
 def prompts(count, prompt_len, seed):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 50257, (prompt_len,), generator=g).tolist() for _ in range(count)]
+    return [torch.randint(0, GPT2_VOCAB_SIZE, (prompt_len,), generator=g).tolist() for _ in range(count)]
 
 
 async def load(url, requests, tokens):
@@ -143,6 +146,7 @@ def start_server(hf_dir, dtype, port):
 
 
 def free_port():
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -50,12 +50,11 @@ def run(script, *args, cwd=ROOT, timeout=300, env=None, check=False):
 
 
 def free_port():
-    """A TCP port of 127.0.0.1 that nothing listens on now."""
-    import socket
+    """A TCP port of 127.0.0.1 that nothing listens on now (bench_serve's: imported here only when asked, so that
+    loading conftest does not import torch)."""
+    from machinery.bench_serve import free_port as product_free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return product_free_port()
 
 
 def descendants(pid):
