@@ -25,7 +25,8 @@ from typing import Optional
 
 from machinery import configurator, distributed, loading, scoring
 from machinery.configurator import setting
-from machinery.errors import UserError, first_line, run_main
+from machinery.errors import UserError, run_main
+from machinery.fileio import read_text
 
 
 @dataclass
@@ -49,18 +50,9 @@ class EvalConfig(loading.RunSource):
         return self.hellaswag is not None or self.text is None
 
 
-def read_text(path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read --text {path} ({getattr(e, 'strerror', None) or first_line(e)}); "
-                        f"give a UTF-8 text file") from None
-
-
 def text_figures(loaded, path, batch_size, world):
     """Loss, perplexity and bits per byte of the model on the text file at path."""
-    text = read_text(path)
+    text = read_text(path, "--text", "give a UTF-8 text file")
     try:
         ids = loaded.tokenizer.encode(text)
     except UserError as e:  # a character outside a char-level model's vocabulary

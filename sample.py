@@ -24,6 +24,7 @@ from typing import Optional
 from machinery import configurator, engine, loading
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
+from machinery.fileio import read_text
 
 
 @dataclass
@@ -60,12 +61,7 @@ class SampleConfig(loading.RunSource):
 
 def read_prompt(start):
     if start.startswith("FILE:"):
-        path = start[len("FILE:"):]
-        try:
-            with open(path, encoding="utf-8") as f:
-                return f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"cannot read the prompt file {path}: {getattr(e, 'strerror', None) or e}") from None
+        return read_text(start[len("FILE:"):], "the prompt file", "give a UTF-8 text file after --start=FILE:")
     return start
 
 

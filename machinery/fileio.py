@@ -7,15 +7,15 @@ made durable). A process killed at any instant leaves either the old complete fi
 the new complete one. Temporary files are named `.NAME.tmp.PID`, so that a later run can
 find and remove what a killed one left (remove_stale_temps).
 
-read_json_object(path, fix) reads a JSON file that must hold an object, with a one-line error
-that ends with the fix.
+read_text(path, what, fix) reads a UTF-8 text file, and read_json_object(path, fix) a JSON file that
+must hold an object, each with a one-line error that ends with the fix.
 """
 
 import json
 import os
 from contextlib import contextmanager
 
-from machinery.errors import UserError
+from machinery.errors import UserError, first_line
 
 
 def temp_path(path):
@@ -55,6 +55,16 @@ def remove_stale_temps(directory, names=None):
         name, marker, pid = entry[1:].rpartition(".tmp.")
         if entry.startswith(".") and marker and pid.isdigit() and (names is None or name in names):
             os.remove(os.path.join(directory, entry))
+
+
+def read_text(path, what, fix):
+    """The text of a UTF-8 file; one that cannot be opened or is not UTF-8 is a one-line error naming what the
+    file is for (e.g. "--text") and the fix."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {what} {path} ({getattr(e, 'strerror', None) or first_line(e)}); {fix}") from None
 
 
 def read_json_object(path, fix):

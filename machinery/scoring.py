@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from machinery import dataset, distributed
 from machinery.batches import whole_split_batches
 from machinery.errors import UserError, first_line
-from machinery.fileio import atomic_write
+from machinery.fileio import atomic_write, read_text
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_CACHE = os.path.join(dataset.DATA_DIR, "hellaswag", "hellaswag_val.jsonl")
@@ -42,12 +42,7 @@ HELLASWAG_FORMAT = "HellaSwag lines are JSON objects with ctx (text), endings (4
 
 def load_hellaswag(path):
     """The examples of a HellaSwag jsonl file, each {"ctx": str, "endings": [4 str], "label": 0-3}."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read HellaSwag file {path} ({getattr(e, 'strerror', None) or first_line(e)}); "
-                        f"check --hellaswag") from None
+    lines = read_text(path, "HellaSwag file", "check --hellaswag").splitlines()
     examples = [_hellaswag_example(line, f"{path}:{n}") for n, line in enumerate(lines, 1) if line.strip()]
     if not examples:
         raise UserError(f"HellaSwag file {path} holds no examples; {HELLASWAG_FORMAT}")
