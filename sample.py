@@ -25,6 +25,7 @@ from machinery import configurator, engine, loading
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 from machinery.fileio import read_text
+from machinery.tokenizer import end_of_text_stop
 
 
 @dataclass
@@ -96,10 +97,9 @@ def main(argv=None):
 def print_samples(cfg, runner, tokenizer, prompt, ids):
     """Generate num_samples continuations of ids together (sample i with seed + i); stream the first as its
     text becomes final, then print the others."""
-    stop_tokens = (tokenizer.eot_token,) if tokenizer.eot_token is not None else ()
     samples = [runner.submit(engine.Request(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
                                             seed=cfg.seed + i, stop=(cfg.stop,) if cfg.stop else (),
-                                            stop_tokens=stop_tokens))
+                                            stop_tokens=end_of_text_stop(tokenizer)))
                for i in range(cfg.num_samples)]
     if cfg.stream:
         print(prompt, end="", flush=True)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from machinery.engine import QueueFull, Request
 from machinery.errors import UserError
+from machinery.tokenizer import end_of_text_stop
 
 # The chat template, for base models (which were never trained on a chat format): the messages as a plain
 # dialogue, and the answer stops where the next turn would begin.
@@ -115,7 +116,7 @@ class Requests:
         self.stream = field(body, "stream", bool, False, expect="true or false")
         options = field(body, "stream_options", dict, {}, expect="an object")
         self.include_usage = field(options, "include_usage", bool, False, expect="true or false")
-        self.stop_tokens = (tokenizer.eot_token,) if tokenizer.eot_token is not None else ()
+        self.stop_tokens = end_of_text_stop(tokenizer)
         for name, neutral in (("best_of", 1), ("presence_penalty", 0), ("frequency_penalty", 0), ("suffix", None),
                               ("logit_bias", {})):
             if body.get(name) not in (None, neutral):

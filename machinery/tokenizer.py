@@ -20,6 +20,13 @@ GPT2_EOT = 50256  # <|endoftext|>
 GPT2_VOCAB_SIZE = 50257
 
 
+def end_of_text_stop(tokenizer):
+    """The stop_tokens of a generation: the tokenizer's end-of-text token, where it has one (GPT-2's
+    <|endoftext|> ends a document in the training data, so nothing after it continues the prompt);
+    a character vocabulary has none."""
+    return (tokenizer.eot_token,) if tokenizer.eot_token is not None else ()
+
+
 class CharTokenizer:
     """Each character of a fixed vocabulary is one token."""
 
