@@ -114,12 +114,11 @@ def _from_nanogpt_pickle(path):
     d = read_plain_pickle(path)
     itos = d.get("itos") if isinstance(d, dict) else None
     vocab = d.get("vocab_size") if isinstance(d, dict) else None
-    if not (isinstance(vocab, int) and isinstance(itos, dict)
+    if not (isinstance(vocab, int) and vocab > 0 and isinstance(itos, dict)
             and all(isinstance(itos.get(i), str) and len(itos[i]) == 1 for i in range(vocab))):
         raise UserError(f"{path} is not a nanoGPT character meta.pkl (a dict with vocab_size and itos of single "
                         f"characters); give a meta.json with --meta, or prepare the dataset here")
-    return DatasetMeta(tokenizer="char", vocab_size=vocab, chars="".join(itos[i] for i in range(vocab)),
-                       source=path)
+    return DatasetMeta.of(CharTokenizer("".join(itos[i] for i in range(vocab))), source=path)
 
 
 def write(meta, directory):
