@@ -512,11 +512,11 @@ def prepare_corpus(source, out_dir, name, shard_tokens=DEFAULT_SHARD_TOKENS, num
             doc_base, drop = doc_base + len(lengths), 0
     writer.finish(source.description)
     state["complete"], state["documents"] = True, doc_base
-    prepared = meta.write(dataset_meta(state), out_dir)
+    data_meta = meta.write(dataset_meta(state), out_dir)
     _write_json(os.path.join(out_dir, PROGRESS_FILE), state)
-    print(f"{out_dir}: {prepared.shards} shards, train {prepared.train_tokens:,} tokens, "
-          f"val {prepared.val_tokens:,} tokens, {prepared.documents:,} documents")
-    return prepared
+    print(f"{out_dir}: {data_meta.shards} shards, train {data_meta.train_tokens:,} tokens, "
+          f"val {data_meta.val_tokens:,} tokens, {data_meta.documents:,} documents")
+    return data_meta
 
 
 def prepare_from_cli(corpus, data_dir, name=None, input_path=None, subset=None, num_proc=None,
