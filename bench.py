@@ -22,9 +22,15 @@ mode=prepare: tokens/s and the peak memory of the process tree of the large-corp
 (prepare.py fineweb_edu --input: corpus.prepare_corpus on num_proc processes, timed whole) against
 tiktoken's multi-threaded encode_ordinary_batch on the same documents (its encode calls alone), in
 the same run; the two token counts must agree. Without --input, a synthetic corpus of corpus_mb MiB
-is written first; it and the shards go to a temporary directory ($TMPDIR). See bench_prepare.py.
+is written first; it and the shards go to a temporary directory ($TMPDIR). See machinery/bench_prepare.py.
 
     python bench.py --mode=prepare [--input=PATH] [--corpus_mb=500] [--num_proc=N]
+
+mode=serve: serve.py under load (streaming clients at once: tokens/s, time to the first token, gaps between
+tokens; seeded requests at once against one at a time) and batch-1 decoding of the generation engine against
+transformers' generate, on a random model of GPT-2's architecture. See machinery/bench_serve.py.
+
+    python bench.py --mode=serve [--clients=1,8,32] [--serve_tokens=100] [--dtype=auto]
 
 Every train.py setting is a setting here too, so training config files work as they are;
 vocab_size defaults to the configured dataset's when it has been prepared. Each figure is the

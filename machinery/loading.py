@@ -23,7 +23,8 @@ from machinery.hardware import autocast, device_setting, dtype_setting, pick_dev
 
 @dataclass
 class ModelSource:
-    """The settings that pick a trained model (the settings of sample.py, eval.py and export.py begin with these)."""
+    """The settings that pick a trained model (the settings of sample.py, eval.py, export.py and serve.py begin with
+    these)."""
 
     init_from: str = setting("resume", "resume (the checkpoint in out_dir), a GPT-2 size (gpt2, gpt2-medium, "
                                        "gpt2-large, gpt2-xl: from the local Hugging Face cache) or a Hugging Face "
