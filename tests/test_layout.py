@@ -1,8 +1,9 @@
 """The shape of the code: at the root only the commands and the model (every other module in machinery/, flat);
 every module of ours imports the others as a tree (no cycle, lazy imports included); model.py imports nothing of
-ours; no function is longer than 60 lines."""
+ours; no function is longer than 60 lines; README's machinery table names every file of machinery/, one a row."""
 
 import ast
+import re
 
 import pytest
 
@@ -61,7 +62,6 @@ def test_the_walker_finds_imports_at_any_depth_and_cycles():
     assert "machinery.convert" in project_imports("machinery.checkpoint")  # from machinery import convert
     assert "model" in project_imports("train")  # from model import GPT
     assert "machinery.errors" in project_imports("train")  # from machinery.errors import UserError
-    assert "machinery.convert" in project_imports("machinery.checkpoint")
 
 
 def test_every_module_imports_the_others_as_a_tree():
@@ -94,3 +94,28 @@ def test_no_function_is_longer_than_60_lines(name):
     long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
     assert not long, f"{name}: {long}"
+
+
+def readme_machinery_rows():
+    """The first cells of README's machinery table (the table after the line that begins with `machinery/`)."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"`{PACKAGE}/`"))
+    rows = []
+    for line in lines[start + 1:]:
+        if rows and not line.startswith("|"):
+            break
+        if line.startswith("|") and not line.startswith("| file") and not line.startswith("| ---"):
+            rows.append(line.split("|")[1].strip())
+    return rows
+
+
+def test_the_readme_table_lists_each_file_of_the_machinery_once_a_row():
+    # a file added, removed or renamed in machinery/ without its row would leave readers a wrong map
+    rows = readme_machinery_rows()
+    names = [re.findall(r"`([^`]+)`", row) for row in rows]
+    assert all(len(n) == 1 for n in names), [row for row, n in zip(rows, names) if len(n) != 1]  # one job a row
+    files = {p.name for p in (ROOT / PACKAGE).iterdir()
+             if p.is_file() and p.name != "__init__.py" and not p.name.startswith(".")}
+    listed = [n[0] for n in names]
+    assert len(listed) == len(set(listed)) and set(listed) == files, (sorted(files - set(listed)),
+                                                                      sorted(set(listed) - files))
