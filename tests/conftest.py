@@ -158,6 +158,16 @@ def tiny_train_args(data_dir, out_dir, **overrides):
     return [f"--{k}={v}" for k, v in args.items()]
 
 
+def finetune_args(init_from, data_dir, out_dir, **overrides):
+    """Arguments for config/finetune_shakespeare.py from a Hugging Face GPT-2 directory (init_from; or resume),
+    made small enough for a few seconds on the CPU; float32 for the reason tiny_train_args gives."""
+    args = dict(init_from=init_from, data_dir=data_dir, out_dir=out_dir, device="cpu", dtype="float32", compile=False,
+                block_size=32, batch_size=2, gradient_accumulation_steps=1, max_iters=4, eval_interval=2,
+                eval_iters=2, log_interval=1)
+    args.update(overrides)
+    return [str(ROOT / "config" / "finetune_shakespeare.py")] + [f"--{k}={v}" for k, v in args.items()]
+
+
 @pytest.fixture(params=[False, True], ids=["cpu_emulates_bf16", "cpu_computes_bf16"])
 def cpu_bf16(request, monkeypatch):
     """Each answer of hardware.cpu_native("bfloat16") in turn, whatever this CPU is: tests of what
@@ -283,6 +293,16 @@ def assert_one_error_line(proc, *words):
     for word in words:
         assert word in lines[0], lines[0]
     return lines[0]
+
+
+def assert_one_line(excinfo, *words):
+    """An error caught in this process (pytest.raises' excinfo): a message of one line containing words (what
+    assert_one_error_line checks of a whole command, for a function called directly). Returns the message."""
+    message = str(excinfo.value)
+    assert "\n" not in message, message
+    for word in words:
+        assert str(word) in message, message
+    return message
 
 
 def load_checkpoint(path):

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import assert_one_error_line, run_in_process, tiny_train_args, train
+from conftest import assert_one_error_line, assert_one_line, run_in_process, tiny_train_args, train
 from machinery import corpus
 from machinery.errors import UserError
 from machinery.tokenizer import gpt2_encoding
@@ -161,7 +161,7 @@ def test_empty_input_directory(tmp_path):
     (tmp_path / "in").mkdir()
     with pytest.raises(UserError) as e:
         prepare(tmp_path / "in", tmp_path / "out" / "ds")
-    assert "\n" not in str(e.value) and str(tmp_path / "in") in str(e.value)
+    assert_one_line(e, tmp_path / "in")
     assert_nothing_written(tmp_path / "out")
 
 
@@ -171,7 +171,7 @@ def test_parquet_without_text_column(tmp_path):
     pq.write_table(pa.table({"content": ["a document"]}), bad)
     with pytest.raises(UserError) as e:
         prepare(src, tmp_path / "out" / "ds")
-    assert "\n" not in str(e.value) and str(bad) in str(e.value) and "`text`" in str(e.value)
+    assert_one_line(e, bad, "`text`")
     assert_nothing_written(tmp_path / "out")
 
 
@@ -180,11 +180,11 @@ def test_bad_json_line_and_too_small_corpus(tmp_path):
     src.write_text('{"text": "fine"}\n{"txt": "no text"}\n', encoding="utf-8")
     with pytest.raises(UserError) as e:
         prepare(src, tmp_path / "out" / "ds")
-    assert "\n" not in str(e.value) and f"{src} line 2" in str(e.value)
+    assert_one_line(e, f"{src} line 2")
     src.write_text('{"text": "fine"}\n', encoding="utf-8")  # <|endoftext|> fine: 2 tokens
     with pytest.raises(UserError) as e:
         prepare(src, tmp_path / "out" / "ds")
-    assert "\n" not in str(e.value) and "only 2 tokens" in str(e.value) and "--shard_tokens 1 or less" in str(e.value)
+    assert_one_line(e, "only 2 tokens", "--shard_tokens 1 or less")
     for bad in (dict(shard_tokens=0), dict(num_proc=0)):
         with pytest.raises(UserError) as e:
             corpus.prepare_corpus(corpus.LocalSource(src), tmp_path / "out" / "ds", "ds", **bad)

@@ -14,7 +14,7 @@ import torch
 
 from transformers import GPT2LMHeadModel
 
-from conftest import ROOT, assert_one_error_line, hf_model, perturb, run_in_process
+from conftest import assert_one_error_line, assert_one_line, finetune_args, hf_model, perturb, run_in_process
 from conftest import train as train_in_process
 import export
 from machinery import checkpoint, convert
@@ -242,7 +242,7 @@ def test_a_checkpoint_with_a_model_setting_this_code_does_not_know_is_refused(tm
     checkpoint.save(state, str(path))
     with pytest.raises(UserError, match="has model settings this model.py does not know .n_kv_head.") as e:
         checkpoint.load(path).build_model()
-    assert "\n" not in str(e.value)
+    assert_one_line(e)
     proc = run_in_process(export.main, f"--out_dir={tmp_path / 'out'}", tmp_path / "new")
     assert_one_error_line(proc, "n_kv_head", "does not know")
     assert not (tmp_path / "new").exists()
@@ -291,14 +291,6 @@ def test_sample_init_from_hf_directory_uses_gpt2_bpe(hf_dir, cpu_bf16):
     proc = run_in_process(sample.main, f"--init_from={path}", f"--start={prompt}", f"--max_new_tokens={n}",
                           "--temperature=0", "--num_samples=2", "--device=cpu", check=True)
     assert proc.stdout == f"{expected}\n---------------\n" * 2
-
-
-def finetune_args(hf_path, data_dir, out_dir, **overrides):
-    args = dict(init_from=hf_path, data_dir=data_dir, out_dir=out_dir, device="cpu", dtype="float32", compile=False,
-                block_size=32, batch_size=2, gradient_accumulation_steps=1, max_iters=4, eval_interval=2,
-                eval_iters=2, log_interval=1)
-    args.update(overrides)
-    return [str(ROOT / "config" / "finetune_shakespeare.py")] + [f"--{k}={v}" for k, v in args.items()]
 
 
 def test_init_from_hf_directory_crops_block_size_and_keeps_the_weights(tmp_path, hf_dir, bpe_data):

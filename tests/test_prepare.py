@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import assert_one_error_line, make_corpus, run, run_in_process
+from conftest import assert_one_error_line, assert_one_line, make_corpus, run, run_in_process
 from machinery import fileio, meta as dataset_meta
 from machinery.errors import UserError
 from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -148,9 +148,7 @@ def test_failure_while_writing_leaves_the_dataset_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(fileio, "open", full_disk, raising=False)  # atomic_write's open of its temporary file
     with pytest.raises(UserError) as e:
         prepare.prepare(str(src), str(out), "char")
-    message = str(e.value)
-    assert "\n" not in message
-    assert f"cannot write the dataset in {out}" in message and "No space left on device" in message, message
+    assert_one_line(e, f"cannot write the dataset in {out}", "No space left on device")
     assert opened and all(".tmp." in name for name in opened)  # the failure was in writing, not elsewhere
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # unchanged, and no temporary files
 
@@ -188,7 +186,7 @@ def test_no_network_names_input(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare.urllib.request, "urlopen", offline)
     with pytest.raises(UserError) as e:
         prepare.main(["shakespeare_char", "--data_dir", str(tmp_path / "d")])
-    assert "--input" in str(e.value) and "\n" not in str(e.value)
+    assert_one_line(e, "--input")
     assert not list((tmp_path / "d").rglob("*.*"))  # no partial download, no dataset
 
 

@@ -6,7 +6,8 @@ import shutil
 
 import torch
 
-from conftest import ROOT, assert_one_error_line, load_checkpoint, tiny_train_args, train
+import conftest
+from conftest import assert_one_error_line, load_checkpoint, tiny_train_args, train
 from machinery.configurator import parse
 import train as train_script
 
@@ -131,12 +132,10 @@ M = 2  # finetuning steps before the interruption
 
 
 def finetune_args(init_from, data_dir, out_dir, **overrides):
-    """config/finetune_shakespeare.py from a Hugging Face GPT-2 directory (init_from), made small."""
-    args = dict(init_from=init_from, data_dir=data_dir, out_dir=out_dir, device="cpu", dtype="float32", compile=False,
-                block_size=16, batch_size=2, gradient_accumulation_steps=2, max_iters=M, eval_interval=M,
-                eval_iters=1, log_interval=1, learning_rate=1e-3)
-    args.update(overrides)
-    return [str(ROOT / "config" / "finetune_shakespeare.py")] + [f"--{k}={v}" for k, v in args.items()]
+    """conftest's finetune with this module's sizes: M steps of 2 micro-batches, evaluated (and saved) at M."""
+    small = dict(block_size=16, gradient_accumulation_steps=2, max_iters=M, eval_interval=M, eval_iters=1,
+                 learning_rate=1e-3)
+    return conftest.finetune_args(init_from, data_dir, out_dir, **(small | overrides))
 
 
 def resume_args(data_dir, out_dir, **overrides):

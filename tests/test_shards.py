@@ -9,18 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import assert_one_line
 from machinery import dataset, shards
 from machinery.batches import BatchSampler
 from machinery.errors import UserError
 from machinery.meta import from_path as read_meta_file
-
-
-def one_line(excinfo, *words):
-    message = str(excinfo.value)
-    assert "\n" not in message
-    for word in words:
-        assert str(word) in message, message
-    return message
 
 
 def test_header_format_read_by_hand(tmp_path):
@@ -59,7 +52,7 @@ def test_bad_shards_stop_with_one_line_naming_the_file(tmp_path, damage, words):
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(UserError) as e:
         shards.read_header(path)
-    one_line(e, path, *words)
+    assert_one_line(e, path, *words)
     with pytest.raises(UserError):
         shards.open_tokens(path)
 
@@ -71,11 +64,11 @@ def test_check_max_token_names_file_id_and_position(tmp_path):
     shards.write_shard(path, tokens)
     with pytest.raises(UserError) as e:
         shards.check_max_token(path, 50257, chunk=16)  # several chunks: the id sits in the 5th
-    one_line(e, path, "token id 50257", "position 73")
+    assert_one_line(e, path, "token id 50257", "position 73")
     assert shards.check_max_token(path, 50258, chunk=16) == 50257
     with pytest.raises(UserError) as e:
         shards.check_max_token(tokens, 50000, chunk=7)
-    one_line(e, "token array", "50257", "position 73")
+    assert_one_line(e, "token array", "50257", "position 73")
     tokens[73] = 3
     assert shards.check_max_token(tokens, 50, chunk=7) == 49
 
@@ -144,11 +137,11 @@ def test_batch_sampler_over_shards_is_deterministic_and_covers_all_shards(tmp_pa
 def test_load_split_errors(tmp_path):
     with pytest.raises(UserError) as e:
         dataset.load_split(tmp_path, "train", 8)
-    one_line(e, tmp_path, "_train_")
+    assert_one_line(e, tmp_path, "_train_")
     make_split(tmp_path, lengths=(5, 3))
     with pytest.raises(UserError) as e:
         dataset.load_split(tmp_path, "train", 8)
-    one_line(e, "8 tokens", "block_size")
+    assert_one_line(e, "8 tokens", "block_size")
 
 
 NANOGPT_META = {"vocab_size": 3, "itos": {0: "\n", 1: "a", 2: "é"}, "stoi": {"\n": 0, "a": 1, "é": 2}}
@@ -177,7 +170,7 @@ def test_pickle_that_would_run_code_is_refused(tmp_path):
     assert b"system" in path.read_bytes()
     with pytest.raises(UserError) as e:
         read_meta_file(str(path))
-    one_line(e, path, "refusing", "system")
+    assert_one_line(e, path, "refusing", "system")
     assert not marker.exists()
 
 
@@ -188,4 +181,4 @@ def test_other_bad_meta_pkl(tmp_path, content, words):
     path.write_bytes(content)
     with pytest.raises(UserError) as e:
         read_meta_file(str(path))
-    one_line(e, path, *words)
+    assert_one_line(e, path, *words)
