@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from machinery import hardware
 from model import KVCache, RowCaches, sample_next
 
 FINISHED = ("stop", "length", "abort")  # why a generation ended: a stop text or token, max_tokens, cancelled
@@ -203,11 +204,10 @@ class PackedLinear(nn.Module):
 
 def prepare(model, device, dtype, compile=False):
     """The model ready to decode on device in dtype ("float32", "bfloat16", "float16"): in eval mode, its
-    weights in dtype, and on the CPU its linear layers prepacked where oneDNN can (float32 on every x86 CPU,
-    bfloat16 where the CPU computes it natively: dtype=auto picks it only there). compile: torch.compile it
-    in place instead (inductor chooses its own kernels, and packs weights itself; whether a row's result then
-    depends on the others is up to them)."""
-    model = model.eval().to(device=device, dtype=getattr(torch, dtype))
+    weights in dtype, and on the CPU its linear layers prepacked where that is faster (can_pack). compile:
+    torch.compile it in place instead (inductor chooses its own kernels, and packs weights itself; whether a
+    row's result then depends on the others is up to them)."""
+    model = model.eval().to(device=device, dtype=hardware.DTYPES[dtype])
     if compile:
         model.compile(dynamic=True)  # in place: the engine's calls to the model run compiled
         return model
@@ -220,10 +220,14 @@ def prepare(model, device, dtype, compile=False):
 
 
 def can_pack(dtype):
-    """Can oneDNN prepack a linear layer of dtype on this CPU? (bfloat16 needs AVX-512 BF16 or AMX.)"""
+    """Are the linear layers of dtype prepacked for oneDNN on this CPU? float32 on every x86 CPU; bfloat16 where
+    the CPU computes it natively (AVX-512 BF16, AMX). Elsewhere PyTorch's own bfloat16 kernel is the faster one
+    at a few rows: one matrix-vector product per row, converting as it reads, whose result for one row does
+    not depend on the other rows either (tests/test_engine.py)."""
     if not torch.backends.mkldnn.is_available() or dtype not in ("float32", "bfloat16"):
         return False
-    return dtype == "float32" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    # (oneDNN can pack bfloat16 on any AVX-512 CPU, but where it only converts it, packing gains nothing)
+    return dtype == "float32" or hardware.cpu_native("bfloat16") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class Engine:

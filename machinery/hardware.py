@@ -6,8 +6,9 @@ Device and precision: which device to run on, which dtype, and the autocast cont
 
 dtype=auto picks bfloat16 on CUDA GPUs that support it (else float16, trained with a
 GradScaler), and on the CPU bfloat16 only where the CPU computes it natively (AVX-512
-BF16 or AMX, as oneDNN reports): elsewhere a CPU emulates bfloat16 about 50x slower than
-float32, so auto picks float32 there. Asking for a half-precision dtype that the CPU
+BF16 or AMX): elsewhere a CPU emulates bfloat16 matrix products about 50x slower than
+float32, so auto picks float32 there. (oneDNN's own test, _is_mkldnn_bf16_supported, is
+also true on AVX-512 CPUs without BF16, Skylake-X or Cascade Lake, which convert instead.) Asking for a half-precision dtype that the CPU
 only emulates still trains, with a one-line warning.
 """
 
@@ -57,11 +58,12 @@ def _mps_available():
 
 
 def cpu_native(dtype):
-    """Does this CPU compute dtype (bfloat16 or float16) natively? oneDNN knows (AVX-512 BF16 / FP16, AMX)."""
+    """Does this CPU compute dtype (bfloat16 or float16) natively: instructions that multiply it (AVX-512 BF16,
+    AVX-512 FP16, AMX), not only convert it?"""
     if dtype == "bfloat16":
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     if dtype == "float16":
-        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()  # AVX-512 FP16 or AMX-FP16, as oneDNN reports
     return True
 
 

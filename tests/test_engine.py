@@ -86,16 +86,18 @@ def run(runner, requests):
     return [[t.id for t in g if t.id is not None and not t.prompt] for g in generations]
 
 
-NATIVE_BF16 = pytest.mark.skipif(not engine.can_pack("bfloat16"), reason="oneDNN packs bfloat16 only on CPUs "
-                                 "that compute it (AVX-512 BF16, AMX); dtype=auto picks float32 elsewhere")
+# oneDNN itself (not the engine's choice) refuses to pack bfloat16 on a CPU without AVX-512 (or AVX-NE-CONVERT)
+ONEDNN_BF16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                 reason="oneDNN cannot pack bfloat16 on this CPU (it needs AVX-512)")
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=NATIVE_BF16)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_requests_tokens_do_not_depend_on_what_else_runs(dtype):
     """8 seeded requests of different prompt lengths together give each the tokens it gets alone. The model
     is GPT-2's width (768, its MLP 3072 wide: oneDNN computes a single row of 3072 -> 768 with another
     algorithm than two or more) in 1 layer; sampling at temperature 1 makes any difference in the logits
-    likely to change a token."""
+    likely to change a token. bfloat16 runs oneDNN's packed product where the CPU computes bfloat16
+    natively, PyTorch's own kernel elsewhere (can_pack): each CPU kind checks its own path."""
     model = engine.prepare(small_model(n_embd=768, n_layer=1, vocab_size=300, block_size=64), "cpu", dtype)
     runner = engine.Engine(model, Tokens(300))
     g = torch.Generator().manual_seed(1)
@@ -173,7 +175,7 @@ def test_a_cancelled_generation_leaves_at_the_next_step_and_abort_all_ends_every
     assert runner.load == (0, 0)
 
 
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), pytest.param("bfloat16", 0.05, marks=NATIVE_BF16)])
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), pytest.param("bfloat16", 0.05, marks=ONEDNN_BF16)])
 def test_packed_linear_computes_nn_linear_whatever_the_number_of_rows(dtype, tol):
     """oneDNN's prepacked product equals nn.Linear's (float32: within rounding of 768-term sums; bfloat16:
     its own rounding, 8 bits), and a row's result is the same in batches of 1 to 9 rows (bitwise)."""
@@ -186,3 +188,22 @@ def test_packed_linear_computes_nn_linear_whatever_the_number_of_rows(dtype, tol
         torch.testing.assert_close(whole.float(), linear(x).float(), atol=tol, rtol=tol)
         for rows in range(1, 9):
             assert torch.equal(packed(x[:rows]), whole[:rows])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_linear_layers_are_packed_in_float32_and_in_bfloat16_only_where_the_cpu_computes_it(dtype, cpu_bf16,
+                                                                                         monkeypatch):
+    """The packing decision under both answers of hardware.cpu_native (cpu_bf16), whatever this CPU is:
+    float32 is always packed; bfloat16 only where native (elsewhere oneDNN would convert every product)."""
+    class Packed(torch.nn.Module):  # stands in for PackedLinear, which cannot pack bfloat16 on every CPU
+        def __init__(self, linear):
+            super().__init__()
+            self.linear = linear
+
+    monkeypatch.setattr(engine, "PackedLinear", Packed)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # oneDNN could pack it
+    model = engine.prepare(small_model(), "cpu", dtype)
+    packs = dtype == "float32" or cpu_bf16 == torch.bfloat16
+    # every linear layer (4 in each of the 2 blocks, and the head) or none
+    assert sum(isinstance(m, Packed) for m in model.modules()) == (4 * 2 + 1 if packs else 0)
+    assert model.tok_emb.weight.dtype == getattr(torch, dtype)

@@ -15,20 +15,28 @@ from model import GPT
 ARGS = dict(max_iters=6, eval_interval=3, eval_iters=2, n_layer=1, n_embd=16, block_size=16)
 
 
-def native(monkeypatch, bf16, fp16=False):
-    """Pretend oneDNN reports (or not) native bfloat16 / float16 on this CPU."""
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16)
+def native(monkeypatch, bf16, fp16=False, amx=False, converts_bf16=None):
+    """Pretend this CPU has (or not) AVX-512 BF16, AMX, AVX-512 FP16; converts_bf16: what oneDNN's own test
+    says (AVX-512 without BF16 converts bfloat16 but does not compute it; default: as bf16)."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported",
+                        lambda: bf16 or amx if converts_bf16 is None else converts_bf16)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: fp16)
-
 
 
 def val_losses(stdout):
     return [float(v) for v in re.findall(r"val loss (\S+)", stdout)]
 
 
-@pytest.mark.parametrize("bf16, expected", [(True, "bfloat16"), (False, "float32")])
-def test_auto_dtype_on_the_cpu_is_bfloat16_only_where_it_is_native(monkeypatch, capsys, bf16, expected):
-    native(monkeypatch, bf16)
+@pytest.mark.parametrize("cpu, expected", [
+    (dict(bf16=True), "bfloat16"),  # AVX-512 BF16 (Cooper Lake, Zen 4 and later)
+    (dict(bf16=False, amx=True), "bfloat16"),  # AMX (Sapphire Rapids and later)
+    (dict(bf16=False, converts_bf16=True), "float32"),  # AVX-512 without BF16 (Skylake-X): oneDNN only converts
+    (dict(bf16=False), "float32"),  # AVX2
+])
+def test_auto_dtype_on_the_cpu_is_bfloat16_only_where_it_is_native(monkeypatch, capsys, cpu, expected):
+    native(monkeypatch, **cpu)
     assert hardware.pick_dtype("auto", "cpu") == expected
     assert hardware.pick_dtype("float32", "cpu") == "float32"
     assert capsys.readouterr().err == ""  # nothing to warn about
