@@ -207,7 +207,7 @@ class Trainer:
         self.metrics = Metrics(cfg, self.resumed_from, self._eval_due(0), self.wandb_run_id) \
             if self.world.is_master else None
         self.wandb_run_id = (self.metrics and self.metrics.wandb_run_id) or self.wandb_run_id
-        stop = StopFlag()
+        stop = StopFlag(self.world.launcher)
         try:
             x, y = self.next_batch()
             t0, local_iter = time.time(), 0

@@ -23,6 +23,7 @@ class World:
     rank: int = 0
     local_rank: int = 0
     size: int = 1
+    launcher: int = 0  # under torchrun: the pid of its agent, this process's parent when the job began
 
     @property
     def is_master(self):
@@ -37,6 +38,7 @@ def setup(device_name):
         return World(), device
     import torch.distributed as dist
 
+    launcher = os.getppid()  # first: the agent may die during the setup that follows (stopping.StopFlag)
     rank, local_rank, size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     if device == "mps":
         raise UserError("torchrun on mps is not supported (no collective backend for it); train in one process, "
@@ -49,7 +51,7 @@ def setup(device_name):
         device, backend = f"cuda:{local_rank}", "nccl"  # one process per GPU
         torch.cuda.set_device(device)
     dist.init_process_group(backend=backend, device_id=torch.device(device) if backend == "nccl" else None)
-    return World(True, rank, local_rank, size), device
+    return World(True, rank, local_rank, size, launcher), device
 
 
 def teardown(finished):

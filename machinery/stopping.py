@@ -6,7 +6,8 @@ Ctrl-C twice interrupts at once (the atomic save leaves the previous checkpoint 
 Under torchrun, the death of the launcher does the same. torchrun starts its workers in sessions
 of their own, so when its agent is killed with SIGKILL (which it cannot pass on) they would go on
 training, unseen, into the out_dir the next launch uses; a worker notices that its parent process
-is no longer the one that started it, and the job saves and stops.
+is no longer the one it had when it joined the job (distributed.World.launcher, taken before the
+setup, which may be long: a token scan, a compilation), and the job saves and stops.
 """
 
 import os
@@ -20,9 +21,9 @@ from machinery.distributed import all_reduce
 class StopFlag:
     """Catches SIGINT and SIGTERM until restore(); requested() says whether the loop should stop."""
 
-    def __init__(self):
+    def __init__(self, launcher=None):
         self.name = None
-        self.parent = os.getppid()  # under torchrun: its agent
+        self.launcher = launcher  # under torchrun: its agent's pid (World.launcher)
         self.previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -49,7 +50,7 @@ class StopFlag:
         return flag
 
     def _check_launcher(self):
-        if self.name is None and os.getppid() != self.parent:
+        if self.name is None and self.launcher and os.getppid() != self.launcher:
             self.name = "the death of its launcher"  # (this process was handed to another parent, e.g. init)
 
     def restore(self):

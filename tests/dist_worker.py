@@ -16,6 +16,8 @@ Settings (under torchrun through the environment, which torchrun passes on to ev
                   number of processes sees the same global batches as a single-process run
   FAIL_RANK, FAIL_ITER   that rank raises a UserError when it fetches a batch at iteration FAIL_ITER
   SIGTERM_RANK, SIGTERM_ITER   that rank sends itself a SIGTERM when it fetches a batch at iteration SIGTERM_ITER
+  SETUP_PAUSE     seconds every rank sleeps at the end of its setup (after joining the job, before training),
+                  having printed "setup paused": a test can kill torchrun's agent there
   FLOAT64         "1": the model is built in float64 (torch's default dtype), so that runs compare up to
                   float64 rounding only (with dtype=float32 nothing is autocast)
 """
@@ -25,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +49,7 @@ class Instruments:
     fail_iter: int = 0
     sigterm_rank: int = -1
     sigterm_iter: int = 0
+    setup_pause: float = 0.0
     # what is recorded (kept apart from the trainer: train.main frees the trainer before it leaves the
     # process group, and a reference from here would keep the DDP model alive until exit)
     batches: list = field(default_factory=list)
@@ -106,6 +110,9 @@ def instrumented_trainer(instruments):
             return losses
 
         def _wrap(self, model):
+            if rec.setup_pause:
+                print(f"setup paused (rank {self.world.rank})", flush=True)
+                time.sleep(rec.setup_pause)
             model = super()._wrap(model)
             ddp = getattr(model, "_orig_mod", model)  # under torch.compile
             if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
@@ -154,6 +161,7 @@ def main():
     report_dir = Path(os.environ["REPORT_DIR"])
     rank = int(os.environ.get("RANK", 0))
     report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / f"pid{rank}").write_text(str(os.getpid()))  # so that a test can tell whether it still runs
     writes = []  # paths this process opened for writing
 
     def audit(event, args):
@@ -168,7 +176,7 @@ def main():
     env = {k: int(os.environ.get(k.upper(), default)) for k, default in
            (("fail_rank", -1), ("fail_iter", 0), ("sigterm_rank", -1), ("sigterm_iter", 0))}
     instruments = Instruments(shared=os.environ.get("SHARED_BATCHES") == "1", float64=os.environ.get("FLOAT64") == "1",
-                              **env)
+                              setup_pause=float(os.environ.get("SETUP_PAUSE", 0)), **env)
     run_main(lambda: instrumented_run(sys.argv[1:], instruments))
     (report_dir / f"rank{rank}.json").write_text(json.dumps(dict(instruments.report(), writes=writes)))
 

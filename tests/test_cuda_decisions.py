@@ -6,6 +6,7 @@ Covered: dtype=auto and float16's GradScaler, TF32, joining a torchrun job (nccl
 on the CPU, mps refused), DDP's device_ids, the GPUs' random state in checkpoints, cuda:N that does not
 exist, peak FLOP/s by GPU name, the autocast context, and Newton-Schulz in bfloat16 (run on the CPU)."""
 
+import os
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -174,7 +175,7 @@ def test_peak_flops_by_the_gpus_name(cuda, name, flops):
 def test_torchrun_on_gpus_joins_with_nccl_on_the_local_ranks_gpu(cuda, process_group, monkeypatch, device):
     torchrun_env(monkeypatch, rank=3, local_rank=1, world_size=4)  # the 2nd process of the 2nd 2-GPU node
     world, device = distributed.setup(device)
-    assert (world, device) == (World(True, 3, 1, 4), "cuda:1")
+    assert (world, device) == (World(True, 3, 1, 4, os.getppid()), "cuda:1")  # (its parent: the launcher)
     assert cuda.set_device == ["cuda:1"]  # before joining: NCCL binds this process to the current device
     assert process_group == [dict(backend="nccl", device_id=torch.device("cuda:1"))]
 
@@ -182,13 +183,13 @@ def test_torchrun_on_gpus_joins_with_nccl_on_the_local_ranks_gpu(cuda, process_g
 @pytest.mark.parametrize("device", ["auto", "cpu"])
 def test_torchrun_on_cpus_joins_with_gloo(no_cuda, process_group, monkeypatch, device):
     torchrun_env(monkeypatch, rank=1, local_rank=1, world_size=2)
-    assert distributed.setup(device) == (World(True, 1, 1, 2), "cpu")
+    assert distributed.setup(device) == (World(True, 1, 1, 2, os.getppid()), "cpu")
     assert process_group == [dict(backend="gloo", device_id=None)]
 
 
 def test_cpu_training_on_a_gpu_machine_joins_with_gloo(cuda, process_group, monkeypatch):
     torchrun_env(monkeypatch, rank=0, local_rank=0, world_size=2)
-    assert distributed.setup("cpu") == (World(True, 0, 0, 2), "cpu")
+    assert distributed.setup("cpu") == (World(True, 0, 0, 2, os.getppid()), "cpu")
     assert process_group == [dict(backend="gloo", device_id=None)] and cuda.set_device == []
 
 

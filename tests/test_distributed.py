@@ -238,15 +238,6 @@ def test_fsdp_step_equals_single_process_and_its_checkpoint_samples_in_one_proce
     assert sample.stdout.count("---------------") == 2
 
 
-def test_failure_on_one_rank_ends_the_job(tmp_path, data_dir):
-    out = tmp_path / "out"
-    proc = torchrun(train_args(data_dir, out, max_iters=100), tmp_path / "report", timeout=120,
-                    FAIL_RANK=1, FAIL_ITER=2)
-    assert proc.returncode != 0
-    assert "error: simulated failure on rank 1 at iteration 2" in proc.stderr
-    assert not (tmp_path / "report" / "rank0.json").exists()  # rank 0 did not finish training either
-
-
 def alive(pid):
     """Is pid a process that has not ended (a zombie, ended but not yet reaped by its new parent, has)?"""
     try:
@@ -256,27 +247,54 @@ def alive(pid):
         return False
 
 
-def test_sigkill_to_torchrun_stops_its_workers_and_the_next_launch_resumes(tmp_path, data_dir, spawn):
-    """torchrun starts its workers in sessions of their own, so SIGKILL to its agent (which cannot pass it on)
-    used to leave them training into out_dir. They notice that their launcher died and stop as on SIGTERM.
-    (The workers draw their own batches here, as train.py's ranks do: all different.)"""
+def test_failure_on_one_rank_ends_the_job(tmp_path, data_dir):
     out, rep = tmp_path / "out", tmp_path / "report"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", **worker_env(rep))
+    proc = torchrun(train_args(data_dir, out, max_iters=100), rep, timeout=120, FAIL_RANK=1, FAIL_ITER=2)
+    assert proc.returncode != 0
+    assert "error: simulated failure on rank 1 at iteration 2" in proc.stderr
+    assert not (rep / "rank0.json").exists()  # rank 0 did not finish training either...
+    assert not any(alive(int((rep / f"pid{r}").read_text())) for r in (0, 1))  # ...nor is it still at it
+
+
+@pytest.fixture
+def orphans():
+    """A list to put pids in that the test's end kills, however it ends: torchrun's workers, once its agent is
+    dead, are no one's descendants (spawn cannot find them), and a failed test must not leave them training."""
+    pids = []
+    yield pids
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("when", ["training", "setup"])
+def test_sigkill_to_torchrun_stops_its_workers_and_the_next_launch_resumes(tmp_path, data_dir, spawn, orphans,
+                                                                           when):
+    """torchrun starts its workers in sessions of their own, so SIGKILL to its agent (which cannot pass it on)
+    used to leave them training into out_dir. They notice that their launcher died and stop as on SIGTERM,
+    within seconds: killed while training (after step 3), or during their setup (which may be long: a token
+    scan, a compilation; here a pause), when they stop at their first step. (The workers draw their own
+    batches here, as train.py's ranks do: all different.)"""
+    out, rep = tmp_path / "out", tmp_path / "report"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline",
+               **worker_env(rep, **({"SETUP_PAUSE": 3} if when == "setup" else {})))
     args = train_args(data_dir, out, max_iters=10**6, gradient_accumulation_steps=2)
     agent = read_lines(spawn(torchrun_argv(WORKER, args), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True))
-    wait_for_line(agent, r"^iter 3: loss")
-    workers = [pid for pid in descendants(agent.pid) if WORKER in open(f"/proc/{pid}/cmdline").read()]
-    assert len(workers) == 2
+    wait_for_line(agent, r"^iter 3: loss" if when == "training" else r"^setup paused")
+    orphans += [pid for pid in descendants(agent.pid) if WORKER in open(f"/proc/{pid}/cmdline").read()]
+    assert len(orphans) == 2
     os.kill(agent.pid, signal.SIGKILL)
-    deadline = time.time() + 60
-    while any(alive(pid) for pid in workers) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not any(alive(pid) for pid in workers), "workers still running a minute after their launcher died"
+    # a few seconds: the rest of a 3-second setup pause, then one step; or one step of this tiny model
+    deadline = time.time() + (3 if when == "setup" else 0) + 10
+    while any(alive(pid) for pid in orphans) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in orphans), "workers still running seconds after their launcher died"
     stopped = wait_for_line(agent, r"^stopped by ", timeout=10)  # (their output still comes through the pipe)
     # (rank 0 says why it stopped: its launcher's death, or, if only rank 1 had seen it yet, a stop there)
     k = int(re.search(r"^stopped by (the death of its launcher|a signal on another rank) at iteration (\d+); "
                       r"checkpoint saved", stopped, re.M)[2])
+    assert k == 1 if when == "setup" else k >= 3  # (log_interval 1: ranks look at every step)
     assert ckpt(out)["iter_num"] == k
     ranks = [report(rep, 0), report(rep, 1)]
     assert ranks[0]["iter_num"] == ranks[1]["iter_num"] == k
