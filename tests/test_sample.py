@@ -55,9 +55,12 @@ def split_samples(stdout):
     return [text[:-1] for text in stdout.split(SEPARATOR)[:-1]]  # print() added one newline to each
 
 
-def test_streamed_output_equals_the_batch_output_and_generate(char_ckpt, cpu_bf16):
+def test_streamed_output_equals_the_batch_output_and_generate(char_ckpt, cpu_bf16, monkeypatch):
     # sample.py's default dtype=auto: bfloat16 weights on a CPU that computes it natively, else float32
     # (both answers in turn, cpu_bf16); the reference runs model.generate in that precision
+    used, prepare = [], engine.prepare
+    monkeypatch.setattr(engine, "prepare", lambda model, device, dtype, **kw: used.append(dtype) or
+                        prepare(model, device, dtype, **kw))
     common = ["--start=ROMEO:", "--max_new_tokens=60", "--temperature=0.9", "--top_k=20", "--seed=5"]
     streamed = sample_stdout(char_ckpt, *common, "--num_samples=3", "--stream=True")
     at_end = sample_stdout(char_ckpt, *common, "--num_samples=3", "--stream=False")
@@ -73,6 +76,7 @@ def test_streamed_output_equals_the_batch_output_and_generate(char_ckpt, cpu_bf1
         out = model.to(cpu_bf16).generate(torch.tensor([tokenizer.encode("ROMEO:")]), 60, temperature=0.9, top_k=20,
                              generator=torch.Generator().manual_seed(5))
     assert streamed == tokenizer.decode(out[0].tolist()) + "\n" + SEPARATOR
+    assert used == [str(cpu_bf16).removeprefix("torch.")] * 3  # what auto picked, each time
 
 
 def test_sample_py_prints_the_first_sample_while_the_batch_is_generated(monkeypatch, char_ckpt):
