@@ -99,10 +99,13 @@ class TrainConfig:
     parallel: str = setting("ddp", "under torchrun: ddp (replicate the model) or fsdp (shard it)")
     seed: int = setting(1337, "random seed")
 
-    def model_settings(self):
-        """The model settings given (every GPTConfig field is a setting of the same name), without those left to
-        the model: None (vocab_size: the dataset's) and auto (gelu)."""
-        return {f.name: getattr(self, f.name) for f in fields(GPTConfig) if getattr(self, f.name) not in (None, "auto")}
+    def model_settings(self, given_only=False):
+        """The model settings (every GPTConfig field is a setting of the same name), without those left to the
+        model: None (vocab_size: the dataset's) and auto (gelu); given_only: only those a config file or the
+        command line set (what a resume checks: a default is not a request)."""
+        names = configurator.given(self) if given_only else {f.name for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(GPTConfig)
+                if f.name in names and getattr(self, f.name) not in (None, "auto")}
 
     def gpt_config(self, vocab_size):
         """The new model these settings ask for (what they leave to the model: GPTConfig's defaults)."""

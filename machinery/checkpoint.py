@@ -93,9 +93,9 @@ class Checkpoint:
     def check_resume(self, cfg, data_meta):
         """Refuse to resume with other model settings or on data with other tokens."""
         mc = self.model_config
-        # every model setting the config gives must match, except those a run may change (GPTConfig.PER_RUN); the
-        # settings it leaves to the model (vocab_size None, gelu auto) take the checkpoint's
-        for name, asked in cfg.model_settings().items():
+        # every model setting a config file or the command line gives must match, except those a run may change
+        # (GPTConfig.PER_RUN); the settings left at their defaults, None or auto take the checkpoint's
+        for name, asked in cfg.model_settings(given_only=True).items():
             if name not in GPTConfig.PER_RUN and asked != getattr(mc, name):
                 raise UserError(f"{self.path} has {name}={getattr(mc, name)} but the config asks for {asked}; resume "
                                 f"with the same model settings (or leave {name} out) or start from scratch")

@@ -7,7 +7,8 @@ Each script describes its settings as a dataclass whose fields carry a help text
 (`name: type = setting(default, "help")`). Config files hold plain
 `key = value` lines; the values are Python literals read with ast.literal_eval,
 so a config file is parsed, never executed. Later sources override earlier ones:
-dataclass defaults, then config files in order, then --key=value arguments.
+dataclass defaults, then config files in order, then --key=value arguments; given() tells
+which settings were set by a file or an argument.
 
 Any mistake raises UserError with one line naming the key (errors.py turns it into
 `error: ...` on stderr and exit status 2).
@@ -139,4 +140,16 @@ def parse(cls, argv=None, usage="script.py [config_file ...] [--key=value ...]",
             raise UserError(f"unexpected argument {arg!r}; see --help")
     for key, raw in overrides:
         set_value(key, raw, from_cli=True)
-    return cls(**values)
+    cfg = cls(**values)
+    cfg._given = frozenset(values)  # (see given)
+    return cfg
+
+
+def given(cfg):
+    """The names of the settings a config file or the command line set, as opposed to those left at their
+    defaults (a resume compares only the model settings given with the checkpoint's). For settings built in
+    code rather than parsed: those that differ from their defaults."""
+    recorded = getattr(cfg, "_given", None)
+    if recorded is not None:
+        return recorded
+    return {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != f.default}

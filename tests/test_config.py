@@ -271,3 +271,15 @@ def test_every_model_field_is_a_training_setting_and_reaches_the_model():
                                            "--mlp_ratio=3"])
     assert cfg.gpt_config(70) == GPTConfig(block_size=8, vocab_size=70, n_layer=3, n_head=2, n_embd=16, dropout=0.1,
                                            bias=True, gelu="tanh", qk_norm=True, mlp_ratio=3)
+
+
+def test_given_names_what_a_config_file_or_the_command_line_set_and_a_resume_checks_only_those(tmp_path):
+    """A default is not a request: resuming a 24-layer finetune with train.py's defaults (n_layer=12) resumes it,
+    while n_layer=12 written in a config file or on the command line is checked against the checkpoint."""
+    cfg = configurator.parse(TrainConfig, [str(config_file(tmp_path, "n_layer = 4\nbatch_size = 3\n")),
+                                           "--n_embd=768", "--dropout=0.1"])
+    assert configurator.given(cfg) == {"n_layer", "batch_size", "n_embd", "dropout"}  # 768: the default, but given
+    assert cfg.model_settings(given_only=True) == {"n_layer": 4, "n_embd": 768, "dropout": 0.1}
+    assert cfg.model_settings()["n_head"] == 12 and cfg.model_settings()["bias"] is False  # a new model: all
+    assert configurator.given(configurator.parse(TrainConfig, [])) == set()
+    assert configurator.given(TrainConfig(n_head=4, n_layer=12)) == {"n_head"}  # built in code: what differs

@@ -139,9 +139,10 @@ def finetune_args(init_from, data_dir, out_dir, **overrides):
 
 
 def resume_args(data_dir, out_dir, **overrides):
-    """The same command with --init_from=resume. The tiny model's sizes must be said (GPT-2's are the defaults);
-    gelu is left at its default, auto (the model's own), as a user resuming a GPT-2 finetune leaves it."""
-    return finetune_args("resume", data_dir, out_dir, **({"n_layer": 2, "n_head": 2, "n_embd": 32} | overrides))
+    """The same command with --init_from=resume, as a user resumes a GPT-2 finetune: no model sizes (the
+    checkpoint's 2 layers, not the defaults' 12, are what resumes) and gelu at its default, auto (the model's
+    own)."""
+    return finetune_args("resume", data_dir, out_dir, **overrides)
 
 
 def test_gpt2_finetune_resumes_exactly_with_its_tanh_gelu(tmp_path, hf_dir, bpe_data):
