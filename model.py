@@ -291,12 +291,16 @@ class GPT(nn.Module):
         return logits, loss
 
     @classmethod
-    def from_pretrained(cls, name_or_path, dropout=0.0):
-        """GPT-2's weights, as nanoGPT's GPT.from_pretrained("gpt2"): gpt2, gpt2-medium, gpt2-large or gpt2-xl
-        from the local Hugging Face cache, or the path of a Hugging Face GPT-2 directory (the end of this file
-        reads them). ValueError names what is wrong with the name, the directory or its files."""
+    def from_pretrained(cls, name_or_path, override_args=None):
+        """GPT-2's weights, as nanoGPT's GPT.from_pretrained("gpt2", dict(dropout=0.1)): gpt2, gpt2-medium,
+        gpt2-large or gpt2-xl from the local Hugging Face cache, or the path of a Hugging Face GPT-2 directory
+        (the end of this file reads them). override_args may set dropout only, as in nanoGPT (the other
+        settings are the weights'). ValueError names what is wrong with the name, the directory or its files."""
+        override_args = dict(override_args or {})
+        if set(override_args) - {"dropout"}:
+            raise ValueError(f"override_args may only set dropout, got {sorted(override_args)}")
         directory = find_gpt2(name_or_path)
-        model = cls(gpt2_config(read_gpt2_config(directory), directory, dropout))
+        model = cls(gpt2_config(read_gpt2_config(directory), directory, override_args.get("dropout", 0.0)))
         model.load_weights(from_gpt2_layout(read_gpt2_weights(directory), conv1d=True, source=directory))
         return model
 

@@ -97,7 +97,7 @@ def load_hf(name_or_path, dropout=0.0):
     """GPT.from_pretrained (gpt2 ... gpt2-xl from the local Hugging Face cache, or a directory with config.json
     and model.safetensors or pytorch_model.bin; no download, no `transformers`), with one-line errors."""
     try:
-        return GPT.from_pretrained(name_or_path, dropout)
+        return GPT.from_pretrained(name_or_path, dict(dropout=dropout))
     except ValueError as e:
         raise UserError(str(e)) from None
 

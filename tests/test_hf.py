@@ -17,7 +17,7 @@ from transformers import GPT2LMHeadModel
 from conftest import assert_one_error_line, assert_one_line, finetune_args, hf_model, perturb, run_in_process
 from conftest import train as train_in_process
 import export
-from machinery import checkpoint, convert
+from machinery import checkpoint, convert, engine
 from machinery.configurator import parse
 from machinery.errors import UserError
 from machinery.meta import DatasetMeta
@@ -74,6 +74,12 @@ def test_gpt_from_pretrained_as_nanogpt_users_call_it(tmp_path, hf_dir, monkeypa
     idx = tokens(7)
     model = GPT.from_pretrained(str(path))
     torch.testing.assert_close(our_logits(model, idx), hf_logits(hf, idx), atol=TOL, rtol=0)
+    # as nanoGPT's sample.py and train.py call it: override_args, which may set dropout only
+    model = GPT.from_pretrained(str(path), dict(dropout=0.0))
+    torch.testing.assert_close(our_logits(model, idx), hf_logits(hf, idx), atol=TOL, rtol=0)
+    assert GPT.from_pretrained(str(path), override_args=dict(dropout=0.1)).config.dropout == 0.1
+    with pytest.raises(ValueError, match=r"override_args may only set dropout, got \['n_layer'\]"):
+        GPT.from_pretrained(str(path), dict(n_layer=1))
 
     copy_dir(path, tmp_path / "hub" / "models--openai-community--gpt2" / "snapshots" / "0123abcd")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -276,8 +282,11 @@ def test_export_refuses_what_gpt2_cannot_express_and_overwrites_nothing(tmp_path
 # ---------------------------------------------------------------------- sample.py and train.py
 
 
-def test_sample_init_from_hf_directory_uses_gpt2_bpe(hf_dir, cpu_bf16):
+def test_sample_init_from_hf_directory_uses_gpt2_bpe(hf_dir, cpu_bf16, monkeypatch):
     path, _ = hf_dir
+    used, prepare = [], engine.prepare  # the dtype sample.py decodes in
+    monkeypatch.setattr(engine, "prepare", lambda model, device, dtype, **kw: used.append(dtype) or
+                        prepare(model, device, dtype, **kw))
     prompt, n = "The king said", 12
     tok = GPT2Tokenizer()
     model = convert.load_hf(str(path)).eval()
@@ -291,6 +300,7 @@ def test_sample_init_from_hf_directory_uses_gpt2_bpe(hf_dir, cpu_bf16):
     proc = run_in_process(sample.main, f"--init_from={path}", f"--start={prompt}", f"--max_new_tokens={n}",
                           "--temperature=0", "--num_samples=2", "--device=cpu", check=True)
     assert proc.stdout == f"{expected}\n---------------\n" * 2
+    assert used == [str(cpu_bf16).removeprefix("torch.")]
 
 
 def test_init_from_hf_directory_crops_block_size_and_keeps_the_weights(tmp_path, hf_dir, bpe_data):
