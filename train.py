@@ -391,15 +391,15 @@ class Trainer:
                      f"vocab_size={mc.vocab_size}, block_size={mc.block_size}, bias={mc.bias}, gelu={mc.gelu}")
             return model
         if ckpt is None:
-            # GPT-2's 50257 tokens padded up to a multiple of 64 (faster matmuls), as nanoGPT does
-            vocab = cfg.vocab_size or self.data_meta.model_vocab_size
+            vocab = cfg.vocab_size or self.data_meta.model_vocab_size  # (GPT-2 BPE: padded, meta.py)
             if vocab < self.data_meta.vocab_size:
                 raise UserError(f"vocab_size {vocab} is smaller than the dataset's vocabulary "
                                 f"({self.data_meta.vocab_size})")
             return GPT(cfg.gpt_config(vocab))
         ckpt.check_resume(cfg, self.data_meta)
         mc = ckpt.model_config
-        mc.dropout = cfg.dropout  # dropout may change on resume
+        for name in GPTConfig.PER_RUN:  # (dropout) may change on resume
+            setattr(mc, name, getattr(cfg, name))
         model = GPT(self._settings_from(mc))
         ckpt.load_weights(model)
         return model

@@ -234,8 +234,9 @@ def _from_nanogpt(state, path):
     in the same module order, so its entries line up with our parameters one to one.
     """
     args = state["model_args"]
-    if not isinstance(args, dict) or not {"n_layer", "n_head", "n_embd", "block_size", "vocab_size"} <= args.keys():
-        raise UserError(f"{path}: model_args must hold n_layer, n_head, n_embd, block_size and vocab_size")
+    sizes = [f.name for f in fields(GPTConfig) if f.type is int and f.name not in GPTConfig.NOT_IN_NANOGPT]
+    if not isinstance(args, dict) or not set(sizes) <= args.keys():  # (the other fields have defaults)
+        raise UserError(f"{path}: model_args must hold {', '.join(sizes[:-1])} and {sizes[-1]}")
     extra = sorted(set(args) - {f.name for f in fields(GPTConfig)} | set(args) & set(GPTConfig.NOT_IN_NANOGPT))
     if extra:
         raise UserError(f"{path}: model_args has settings nanoGPT's GPT does not ({', '.join(extra)}); "

@@ -20,7 +20,9 @@ from machinery.safe_pickle import read_plain_pickle
 from machinery.tokenizer import GPT2_VOCAB_SIZE, CharTokenizer, GPT2Tokenizer
 
 FILENAME = "meta.json"
-GPT2_PADDED_VOCAB_SIZE = 50304  # GPT-2's 50257 tokens padded up to a multiple of 64 (faster matmuls), as nanoGPT
+# a new model for GPT-2 BPE data gets GPT-2's 50257 tokens padded up to a multiple of 64 (faster matmuls), as
+# nanoGPT's: 50304, GPTConfig's default vocab_size
+GPT2_PADDED_VOCAB_SIZE = -(-GPT2_VOCAB_SIZE // 64) * 64
 NANOGPT_PICKLE = "meta.pkl"  # what nanoGPT's prepare scripts write
 
 
