@@ -453,7 +453,7 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 # pytorch_model.bin, possibly sharded), with no `transformers` and no download: OpenAI's gpt2 ... gpt2-xl
 # from the local Hugging Face cache, or any directory. GPT-2's layout differs from ours in names only, and
 # Hugging Face stores a block's four matrices as Conv1D, (in, out): the transpose of nn.Linear's (out, in).
-# (convert.py uses the same names for nanoGPT's checkpoints, which have no Conv1D, and to export ours.)
+# (machinery/convert.py uses the same names for nanoGPT's checkpoints, which have no Conv1D, and to export ours.)
 
 GPT2_SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 GPT2_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",

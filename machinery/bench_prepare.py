@@ -37,6 +37,7 @@ import torch
 
 from machinery import corpus
 from machinery.errors import UserError
+from machinery.fileio import read_text
 from machinery.tokenizer import gpt2_encoding
 
 SYNTHETIC_DOC_LINES = 60  # documents of ~2.5 kB from Tiny Shakespeare
@@ -66,12 +67,8 @@ def write_synthetic_corpus(text_path, out_path, megabytes, seed=0):
     """JSON lines of ~2.5 kB documents cut from a text file, copy after copy of it until `megabytes` MiB
     are written; in each copy a tenth of the words swap places at random, so that the corpus is not one
     text repeated. Returns the number of documents."""
-    try:
-        with open(text_path, encoding="utf-8") as f:
-            lines = f.read().split("\n")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read --text_source {text_path} ({type(e).__name__}); give a UTF-8 text file "
-                        f"with --text_source=FILE, or a corpus with --input=PATH") from None
+    lines = read_text(text_path, "--text_source", "give a UTF-8 text file with --text_source=FILE, or a corpus "
+                                                   "with --input=PATH").split("\n")
     rng = random.Random(seed)
     size, documents = 0, 0
     with open(out_path, "w", encoding="utf-8") as f:

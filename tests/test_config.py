@@ -6,7 +6,7 @@ from typing import Optional
 
 import pytest
 
-from conftest import assert_one_error_line, run_in_process, tiny_train_args, train
+from conftest import assert_one_error_line, assert_one_line, run_in_process, tiny_train_args, train
 from machinery import configurator
 from machinery.errors import UserError
 from optimizers import get_lr
@@ -94,7 +94,7 @@ def test_command_line_values_are_converted_to_the_field_type(arg, key, value):
 def test_command_line_mistakes_name_the_key(argv, named):
     with pytest.raises(UserError) as e:
         parse(*argv)
-    assert named in str(e.value) and "\n" not in str(e.value)
+    assert_one_line(e, named)
 
 
 @pytest.mark.parametrize("text, named", [
@@ -109,7 +109,7 @@ def test_command_line_mistakes_name_the_key(argv, named):
 def test_config_file_mistakes_name_the_key(tmp_path, text, named):
     with pytest.raises(UserError) as e:
         parse(config_file(tmp_path, text))
-    assert named in str(e.value) and "\n" not in str(e.value)
+    assert_one_line(e, named)
 
 
 @pytest.mark.parametrize("text", [
