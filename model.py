@@ -77,8 +77,10 @@ class KVCache:
         # block_size positions and one spare: a slice [:end] is then never the whole buffer,
         # a case that torch.compile would otherwise specialise (one more graph to compile)
         shape = (batch_size, config.n_head, config.block_size + 1, config.n_embd // config.n_head)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        # empty, not zeros: only the positions filled so far are ever read, and zeroing GPT-2's 75 MB of cache
+        # cost ~60 ms per request on a CPU, the time of two tokens
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.pos = 0
 
     def positions(self, T, device):
@@ -140,9 +142,9 @@ class Head(nn.Module):
         self.dropout = dropout
 
     def forward(self, q, k, v):
-        if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            # PyTorch's CPU attention kernels are several times slower in bfloat16 than in float32
-            # (BENCHMARKS.md), so attend in float32, with autocast off (it would cast back to bfloat16)
+        if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+            # PyTorch's CPU attention kernels are several times slower in bfloat16 (and 2x in float16) than in
+            # float32 (BENCHMARKS.md), so attend in float32, with autocast off (it would cast back)
             with torch.autocast("cpu", enabled=False):
                 return self(q.float(), k.float(), v.float()).to(q.dtype)
         # q holds the newest Tq positions, k and v all Tk positions seen so far
@@ -405,10 +407,11 @@ class GPT(nn.Module):
 
     def cache_dtype(self, device):
         """The dtype of a KV cache: the keys' and values' (autocast's, else the weights'), except float32 for
-        bfloat16 on the CPU, where Head attends in float32 (then only the new token's are cast, not the cache)."""
+        bfloat16 or float16 on the CPU, where Head attends in float32 (then only the new token's are cast, not the
+        cache)."""
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) \
             else self.tok_emb.weight.dtype
-        return torch.float32 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
+        return torch.float32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):

@@ -9,9 +9,9 @@ served by `python serve.py --init_from=DIR` in a process of its own, on 127.0.0.
 
 1. batch-1 decoding, greedy, serve_tokens new tokens after a random prompt of prompt_len tokens, side by
    side and alternating: the generation engine as serve.py runs it (dtype as given: auto is bfloat16
-   where the CPU computes it natively) and transformers' GPT2LMHeadModel.generate on the same weights (its
-   default float32, and bfloat16 where the CPU computes it natively); tokens/s, the median of `repeats`
-   runs after `warmup`;
+   where the CPU computes it natively, else float32) and transformers' GPT2LMHeadModel.generate on the same
+   weights (its default float32, and the engine's dtype when that is another); tokens/s, the median of
+   `repeats` runs after `warmup`;
 2. for each number of clients C: C streaming clients at once (asyncio + httpx), each asking for
    serve_tokens tokens (temperature 1, its own seed, a random prompt): the tokens/s of all of them
    together, each client's time to its first token, and the gaps between its tokens (p50, p99);
@@ -34,7 +34,7 @@ import time
 import torch
 
 from machinery import convert, engine, loading
-from machinery.hardware import cpu_native
+from machinery.hardware import DTYPES
 from machinery.meta import DatasetMeta
 from machinery.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE
 from model import GPT
@@ -98,8 +98,8 @@ def batch_one(cfg, hf_dir, dtype):
         return run
 
     runs = {f"ours ({dtype})": ours, "transformers generate (float32)": transformers(torch.float32)}
-    if cpu_native("bfloat16"):  # (elsewhere bfloat16 is emulated, tens of times slower: not worth the wait)
-        runs["transformers generate (bfloat16)"] = transformers(torch.bfloat16)
+    if dtype != "float32":  # transformers in our precision too: the same bytes to read per token
+        runs[f"transformers generate ({dtype})"] = transformers(DTYPES[dtype])
     return {name: n / seconds for name, seconds in alternating(runs, cfg.warmup, cfg.repeats).items()}
 
 
@@ -138,11 +138,13 @@ def start_server(hf_dir, dtype, port):
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), f"--init_from={hf_dir}",
                              f"--dtype={dtype}", f"--port={port}", "--max_batch=64", "--device=cpu"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    line = proc.stdout.readline()
-    if not line.startswith("serving"):
-        proc.kill()
-        raise RuntimeError(f"serve.py did not start: {line}{proc.stdout.read()[-2000:]}")
-    return proc
+    seen = []
+    for line in proc.stdout:  # (a warning may come first, e.g. about an emulated dtype)
+        if line.startswith("serving"):
+            return proc
+        seen.append(line)
+    proc.kill()
+    raise RuntimeError(f"serve.py did not start: {''.join(seen)[-2000:]}")
 
 
 def free_port():

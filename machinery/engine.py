@@ -20,7 +20,10 @@ Speed, batch 1 (BENCHMARKS.md): decoding reads every weight once per token, so i
 of memory. The model is converted to the run's dtype (bfloat16 halves the bytes where the CPU
 computes it natively: dtype=auto) instead of autocast re-casting the weights at every step; on the
 CPU the linear layers are prepacked for oneDNN (about 1.5x PyTorch's default kernels at one row) and
-the KV cache stays in float32, where attention runs, so that only the new token is cast.
+the KV cache stays in float32, where attention runs, so that only the new token is cast. On a CPU
+without native bfloat16 (AVX2), --dtype=float16 (or bfloat16) still halves the bytes of one stream:
+PyTorch's matrix-vector kernel converts as it reads; but products of many rows (prompts, batches)
+are then emulated, several times slower than float32, which dtype=auto keeps there.
 
 Past block_size a row goes on as nanoGPT's generate does: the last block_size tokens are encoded
 again for every new token (alone), so it sees exactly what the uncached model would.

@@ -91,7 +91,7 @@ ONEDNN_BF16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(
                                  reason="oneDNN cannot pack bfloat16 on this CPU (it needs AVX-512)")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_a_requests_tokens_do_not_depend_on_what_else_runs(dtype):
     """8 seeded requests of different prompt lengths together give each the tokens it gets alone. The model
     is GPT-2's width (768, its MLP 3072 wide: oneDNN computes a single row of 3072 -> 768 with another
@@ -108,13 +108,15 @@ def test_a_requests_tokens_do_not_depend_on_what_else_runs(dtype):
     assert all(len(t) == 12 for t in together) and len({tuple(t) for t in together}) == 8
 
 
-def test_greedy_tokens_are_model_generates_cached_uncached_and_past_block_size():
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_greedy_tokens_are_model_generates_cached_uncached_and_past_block_size(dtype):
     """Greedy decoding through the engine gives model.generate's tokens: with the cache, without it
-    (use_cache=False: every window encoded again, as nanoGPT), and past block_size (the window slides)."""
-    model = small_model(block_size=16)
+    (use_cache=False: every window encoded again, as nanoGPT), and past block_size (the window slides).
+    float16 too: the engine converts the weights (neither side packs them) and attends in float32."""
+    model = small_model(block_size=16).to(getattr(torch, dtype))
     prompt = [1, 5, 9, 2, 7]
     expected = model.generate(torch.tensor([prompt]), 30, temperature=0, use_cache=False)[0, 5:].tolist()
-    prepared = engine.prepare(small_model(block_size=16), "cpu", "float32")
+    prepared = engine.prepare(small_model(block_size=16), "cpu", dtype)
     for use_cache in (True, False):
         runner = engine.Engine(prepared, Tokens(70), use_cache=use_cache)
         assert run(runner, [engine.Request(prompt, max_tokens=30, temperature=0)]) == [expected]
