@@ -171,3 +171,15 @@ def test_a_failing_compile_warns_once_and_trains_uncompiled(tmp_path, char_data,
     eager = train(*tiny_train_args(char_data, tmp_path / "eager", compile=False, **args))
     assert re.findall(r"^(?:iter|step) .*loss [\d.]+", fallback.stdout, re.M) == \
         re.findall(r"^(?:iter|step) .*loss [\d.]+", eager.stdout, re.M)
+
+
+def test_train_py_with_dtype_auto_trains_in_what_the_cpu_computes_natively(tmp_path, char_data, cpu_bf16,
+                                                                            monkeypatch):
+    """train.py's default dtype=auto under both answers of hardware.cpu_native (cpu_bf16): bfloat16 autocast
+    where the CPU computes it natively, float32 elsewhere; the matrix products run in that dtype."""
+    real_linear, seen = torch.nn.Linear.forward, set()
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: seen.add((out := real_linear(self, x)).dtype)
+                        or out)
+    proc = train(*tiny_train_args(char_data, tmp_path / "out", dtype="auto", **(ARGS | dict(max_iters=2,
+                                                                                           eval_interval=2))))
+    assert f"dtype {str(cpu_bf16).removeprefix('torch.')}" in proc.stdout and seen == {cpu_bf16}
