@@ -8,8 +8,9 @@ dtype=auto picks bfloat16 on CUDA GPUs that support it (else float16, trained wi
 GradScaler), and on the CPU bfloat16 only where the CPU computes it natively (AVX-512
 BF16 or AMX): elsewhere a CPU emulates bfloat16 matrix products about 50x slower than
 float32, so auto picks float32 there. (oneDNN's own test, _is_mkldnn_bf16_supported, is
-also true on AVX-512 CPUs without BF16, Skylake-X or Cascade Lake, which convert instead.) Asking for a half-precision dtype that the CPU
-only emulates still trains, with a one-line warning.
+also true on AVX-512 CPUs without BF16, Skylake-X or Cascade Lake, which only convert.)
+Asking for a half-precision dtype that the CPU only emulates still runs, with a one-line
+warning.
 """
 
 import sys
@@ -59,9 +60,11 @@ def _mps_available():
 
 def cpu_native(dtype):
     """Does this CPU compute dtype (bfloat16 or float16) natively: instructions that multiply it (AVX-512 BF16,
-    AVX-512 FP16, AMX), not only convert it?"""
+    AVX-512 FP16, AMX), not only convert it, and oneDNN allowed to use them (ONEDNN_MAX_CPU_ISA=AVX2 makes an
+    AVX-512 machine behave as an AVX2 one)?"""
     if dtype == "bfloat16":
-        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        return (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()) \
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if dtype == "float16":
         return torch.ops.mkldnn._is_mkldnn_fp16_supported()  # AVX-512 FP16 or AMX-FP16, as oneDNN reports
     return True

@@ -17,7 +17,7 @@ ARGS = dict(max_iters=6, eval_interval=3, eval_iters=2, n_layer=1, n_embd=16, bl
 
 def native(monkeypatch, bf16, fp16=False, amx=False, converts_bf16=None):
     """Pretend this CPU has (or not) AVX-512 BF16, AMX, AVX-512 FP16; converts_bf16: what oneDNN's own test
-    says (AVX-512 without BF16 converts bfloat16 but does not compute it; default: as bf16)."""
+    says (true on any AVX-512 CPU, BF16 or not; false where ONEDNN_MAX_CPU_ISA caps it; default: as bf16)."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported",
@@ -33,6 +33,7 @@ def val_losses(stdout):
     (dict(bf16=True), "bfloat16"),  # AVX-512 BF16 (Cooper Lake, Zen 4 and later)
     (dict(bf16=False, amx=True), "bfloat16"),  # AMX (Sapphire Rapids and later)
     (dict(bf16=False, converts_bf16=True), "float32"),  # AVX-512 without BF16 (Skylake-X): oneDNN only converts
+    (dict(bf16=True, converts_bf16=False), "float32"),  # AVX-512 BF16 with oneDNN capped: ONEDNN_MAX_CPU_ISA=AVX2
     (dict(bf16=False), "float32"),  # AVX2
 ])
 def test_auto_dtype_on_the_cpu_is_bfloat16_only_where_it_is_native(monkeypatch, capsys, cpu, expected):
