@@ -229,7 +229,7 @@ def can_pack(dtype):
     not depend on the other rows either (tests/test_engine.py)."""
     if not torch.backends.mkldnn.is_available() or dtype not in ("float32", "bfloat16"):
         return False
-    # (oneDNN can pack bfloat16 on any AVX-512 CPU, but where it only converts it, packing gains nothing)
+    # packing bfloat16 needs oneDNN's support (any AVX-512 CPU), and gains only where the CPU computes it natively
     return dtype == "float32" or hardware.cpu_native("bfloat16") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
