@@ -97,9 +97,9 @@ def main(argv=None):
 def print_samples(cfg, runner, tokenizer, prompt, ids):
     """Generate num_samples continuations of ids together (sample i with seed + i); stream the first as its
     text becomes final, then print the others."""
+    stop, stop_tokens = (cfg.stop,) if cfg.stop else (), end_of_text_stop(tokenizer)
     samples = [runner.submit(engine.Request(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
-                                            seed=cfg.seed + i, stop=(cfg.stop,) if cfg.stop else (),
-                                            stop_tokens=end_of_text_stop(tokenizer)))
+                                            seed=cfg.seed + i, stop=stop, stop_tokens=stop_tokens))
                for i in range(cfg.num_samples)]
     if cfg.stream:
         print(prompt, end="", flush=True)
