@@ -66,63 +66,39 @@ class GPTConfig:
 
 
 class KVCache:
-    """Keys and values of every layer for the positions seen so far.
+    """The keys and values of every layer for the positions seen so far, for generate().
 
     Allocated up front, so decoding allocates nothing per token and a compiled model
     sees the same buffers at every step. `pos` is the number of positions filled,
-    which is also the position of the next token.
+    which is also the position of the next token. (The generation engine keeps its
+    own, one row per request: machinery/engine.py.)
     """
 
     def __init__(self, config, batch_size, dtype, device):
         # block_size positions and one spare: a slice [:end] is then never the whole buffer,
         # a case that torch.compile would otherwise specialise (one more graph to compile)
         shape = (batch_size, config.n_head, config.block_size + 1, config.n_embd // config.n_head)
-        # empty, not zeros: only the positions filled so far are ever read, and zeroing GPT-2's 75 MB of cache
-        # cost ~60 ms per request on a CPU, the time of two tokens
+        # empty, not zeros: only the positions filled so far are ever read
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.block_size = config.block_size
         self.pos = 0
 
     def positions(self, T, device):
         """The positions of T new tokens: (T,), the same in every row."""
+        if self.pos + T > self.block_size:
+            raise ValueError(f"cannot forward {self.pos + T} positions, block_size is only {self.block_size}")
         return torch.arange(self.pos, self.pos + T, dtype=torch.long, device=device)
 
-    def update(self, layer, k, v):
-        """Store k, v (B, nh, T, hs) at positions pos..pos+T-1; return all keys and values so far."""
+    def attend(self, layer, q, k, v, heads):
+        """Store k, v (B, nh, T, hs) at positions pos..pos+T-1; the heads' attention of q over every position."""
         start, end = self.pos, self.pos + k.size(2)
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        return heads(q, self.k[layer][:, :, :end], self.v[layer][:, :, :end])
 
     def advance(self, T):
         self.pos += T
-
-
-class RowCaches:
-    """The KVCaches of rows that each have their own length, as one batch: the generation engine's
-    requests, which join and leave between steps. One new token per row and step; each row attends
-    over exactly its own positions, row by row (PyTorch's batched attention kernels round a row
-    differently depending on the other rows, and a request's tokens must not depend on what else runs)."""
-
-    def __init__(self, caches):
-        self.caches = caches  # one KVCache of batch size 1 per row
-
-    @property
-    def pos(self):
-        return max(c.pos for c in self.caches)  # (for GPT.forward's block_size check)
-
-    def positions(self, T, device):
-        """The positions of T new tokens: (B, T), each row's own."""
-        return torch.stack([c.positions(T, device) for c in self.caches])
-
-    def update(self, layer, k, v):
-        """Store each row's k, v; return every row's keys and values so far, as lists (one tensor per row)."""
-        rows = [c.update(layer, k[i:i + 1], v[i:i + 1]) for i, c in enumerate(self.caches)]
-        return [r[0] for r in rows], [r[1] for r in rows]
-
-    def advance(self, T):
-        for c in self.caches:
-            c.advance(T)
 
 
 class Head(nn.Module):
@@ -186,12 +162,10 @@ class MultiHeadAttention(nn.Module):
             q, k = F.layer_norm(q, (self.head_size,)), F.layer_norm(k, (self.head_size,))
         # (B, T, n_head, head_size) -> (B, n_head, T, head_size): the heads become a batch dimension
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer, k, v)
-        if isinstance(k, list):  # RowCaches: rows of their own lengths, attended row by row
-            y = torch.cat([self.heads(q[i:i + 1], k[i], v[i]) for i in range(B)])
-        else:
+        if kv_cache is None:
             y = self.heads(q, k, v)  # (B, n_head, T, head_size)
+        else:  # the cache stores k and v, and has the heads attend over every position it holds
+            y = kv_cache.attend(layer, q, k, v, self.heads)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # concatenate the heads
         return self.resid_dropout(self.proj(y))
 
@@ -268,10 +242,9 @@ class GPT(nn.Module):
         """Logits (and the mean cross-entropy with targets) of the tokens idx (B, T). Without targets only the
         last position's logits are computed (generation needs no more), unless every_position (scoring)."""
         B, T = idx.size()
-        start = kv_cache.pos if kv_cache is not None else 0
-        if start + T > self.config.block_size:
-            raise ValueError(f"cannot forward {start + T} positions, block_size is only {self.config.block_size}")
         if kv_cache is None:
+            if T > self.config.block_size:
+                raise ValueError(f"cannot forward {T} positions, block_size is only {self.config.block_size}")
             pos = torch.arange(T, dtype=torch.long, device=idx.device)
         else:
             pos = kv_cache.positions(T, idx.device)  # (T,), or (B, T) where rows have their own lengths
@@ -429,8 +402,9 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = F.softmax(sorted_logits, dim=-1)
-        # drop a token when the ones before it already reach top_p (so the top token always stays)
+        # drop a token when the ones before it already reach top_p; the top token always stays (top_p=0: greedy)
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -441,9 +415,12 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
     filtered logits. The draw is one uniform number per row, looked up in the cumulative probabilities
     (inverse transform sampling): torch.multinomial draws an exponential number for every token of the
     vocabulary instead, about 1.4 ms per row for GPT-2's 50257 tokens on a CPU, as long as a decoding step."""
-    if temperature == 0:
+    if temperature < torch.finfo(torch.float32).tiny:  # 0, or so small that float32 would take it for 0: greedy
         return logits.argmax(dim=-1)
-    probs = F.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
+    # each row's largest logit subtracted first (the softmax is the same): then no temperature, however small,
+    # overflows the division (the top logit stays 0, the others go to -inf at worst: greedy)
+    logits = logits.float()
+    probs = F.softmax(filter_logits(logits - logits.amax(dim=-1, keepdim=True), temperature, top_k, top_p), dim=-1)
     cdf = probs.cumsum(dim=-1)
     u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device) * cdf[:, -1:]
     # the first token whose cumulative probability exceeds u (right: never a token of probability 0)

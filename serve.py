@@ -37,14 +37,19 @@ class ServeConfig(loading.RunSource):
                                               "last part)")
     max_batch: int = setting(32, "requests decoded together at most (the others wait their turn)")
     max_waiting: int = setting(256, "requests waiting at most; more are answered 429")
-    max_tokens: int = setting(1024, "tokens a request may ask to generate at most (per choice); more: 429")
-    max_n: int = setting(8, "choices per request at most (prompts x n); more: 429")
+    max_tokens: int = setting(1024, "tokens a request may ask to generate at most (per choice); more: 400")
+    max_n: int = setting(8, "choices per request at most (prompts x n); more: 400")
     max_body: int = setting(1 << 20, "bytes of a request body at most; more: 413")
+    prefill_chunk: int = setting(64, "prompt tokens encoded per pass: a new prompt delays the running streams by "
+                                     "one such pass per token at most")
+    stream_timeout: float = setting(60.0, "seconds a stream may leave its tokens unread (a client that stopped "
+                                          "reading) before it is ended")
     compile: bool = setting(False, "torch.compile the model")
 
     def validate(self):
         super().validate()
-        for name in ("max_batch", "max_waiting", "max_n", "max_body", "max_tokens"):
+        for name in ("max_batch", "max_waiting", "max_n", "max_body", "max_tokens", "prefill_chunk",
+                     "stream_timeout"):
             if getattr(self, name) <= 0:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.port < 65536:
@@ -59,7 +64,8 @@ def build(cfg):
     """The model loaded, its engine (not started) and the API's shared state."""
     loaded = loading.load_run(cfg)
     model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile)
-    runner = engine.Engine(model, loaded.tokenizer, loaded.device, cfg.max_batch, cfg.max_waiting)
+    runner = engine.Engine(model, loaded.tokenizer, loaded.device, cfg.max_batch, cfg.max_waiting,
+                           prefill_chunk=cfg.prefill_chunk, stall_timeout=cfg.stream_timeout)
     limits = openai_api.Limits(cfg.max_tokens, cfg.max_n, cfg.max_body)
     return openai_api.Server(runner, loaded.tokenizer, cfg.served_name, limits, cfg.api_key), loaded
 

@@ -1,37 +1,36 @@
 """
-The generation engine: all decoding goes through it (sample.py, serve.py).
+The generation engine: every decoding of sample.py and serve.py goes through it.
 
-A Request is a prompt (token ids) and its settings: max_tokens, temperature, top_k, top_p, a seed for
-its own torch.Generator, stop texts and stop tokens, logprobs, echo. The engine keeps a batch of
-running requests (rows). Between two steps, waiting requests join it (each prompt is encoded alone,
-into a KV cache of its own) and finished or cancelled ones leave; every step runs the model once for
-all rows, one new token per row. A Generation is a request's handle: its tokens arrive there as
-Token events, as they are sampled, with the text they complete.
+A Request is a prompt (token ids) and its settings: max_tokens, temperature, top_k, top_p, a seed for its
+own torch.Generator, stop texts and stop tokens, logprobs, echo. The engine keeps a batch of running
+requests (rows), each in a row of its KV cache (a slot, held from its first token to its last). Every step
+runs the model once for all rows that have a token to feed, one new token per row, then encodes a chunk of
+a waiting prompt (chunked prefill: a long prompt delays the running rows by one chunk per step, not by its
+whole length). A Generation is a request's handle: its tokens arrive there as Token events, as they are
+sampled, with the text they complete.
 
-A request's tokens do not depend on what else runs, because every row is computed as if it were
-alone: its prompt is encoded alone; a step's attention runs row by row over exactly the row's own
-positions (model.RowCaches); on the CPU the matrix products run as oneDNN's prepacked linear
-(PackedLinear), whose result for one row is the same whatever the number of rows (PyTorch's default
-float32 kernel picks another algorithm for 1, 2-3 and 4 or more rows: other rounding); and each row
-samples with its own generator. (On a GPU, cuBLAS picks its kernels by the batch's size, so there a
-row's rounding, and at a near-tie its token, may depend on the batch.)
+A request's tokens do not depend on what else runs, because every row is computed as if it were alone:
+its prompt is encoded alone, in chunks of a fixed size; a step's attention runs row by row over exactly the
+row's own positions (Rows); on the CPU the matrix products run as oneDNN's prepacked linear (PackedLinear),
+whose result for one row does not depend on the number of rows (PyTorch's default float32 kernel picks
+another algorithm for 1, 2-3 and 4 or more rows); and each row samples with its own generator.
 
-Speed, batch 1 (BENCHMARKS.md): decoding reads every weight once per token, so it runs at the speed
-of memory. The model is converted to the run's dtype (bfloat16 halves the bytes where the CPU
-computes it natively: dtype=auto) instead of autocast re-casting the weights at every step; on the
-CPU the linear layers are prepacked for oneDNN (about 1.5x PyTorch's default kernels at one row) and
-the KV cache stays in float32, where attention runs, so that only the new token is cast. On a CPU
-without native bfloat16 (AVX2), --dtype=float16 (or bfloat16) still halves the bytes of one stream:
-PyTorch's matrix-vector kernel converts as it reads; but products of many rows (prompts, batches)
-are then emulated, several times slower than float32, which dtype=auto keeps there.
+A request that fails (an exception in its forward pass or its sampling) ends alone, with finish_reason
+"error": the rows of a failed step are run again one by one, and only those that fail alone end. An
+exception outside any request stops the engine (alive is then False: serve.py's /health answers 503).
 
-Past block_size a row goes on as nanoGPT's generate does: the last block_size tokens are encoded
-again for every new token (alone), so it sees exactly what the uncached model would.
+Decoding runs at the speed of memory (BENCHMARKS.md): the model is converted to the run's dtype instead of
+autocast re-casting its weights at every step; on the CPU the linear layers are prepacked for oneDNN, and
+the KV cache stays in float32, where attention runs. Past block_size a row goes on as nanoGPT's generate
+does: its last block_size tokens are encoded again for every new token, so it sees exactly what the
+uncached model would.
 """
 
 import collections
 import secrets
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,16 +39,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from machinery import hardware
-from model import KVCache, RowCaches, sample_next
+from machinery.errors import first_line
+from model import sample_next
 
-FINISHED = ("stop", "length", "abort")  # why a generation ended: a stop text or token, max_tokens, cancelled
+FINISHED = ("stop", "length", "abort", "error")  # why a generation ended: a stop text or token, max_tokens,
+# cancelled, failed
 
 
 @dataclass
 class Request:
-    """What to generate. prompt: token ids (the last block_size are kept); temperature 0 is greedy;
-    logprobs: how many alternatives to report with each token (None: no log-probabilities); echo: the
-    prompt's tokens come back first, scored (their log-probabilities, the first token's None)."""
+    """What to generate. prompt: 1 to block_size token ids; temperature 0 is greedy; logprobs: how many
+    alternatives to report with each token (None: no log-probabilities); echo: the prompt's tokens come back
+    first, scored (their log-probabilities, the first token's None)."""
 
     prompt: list
     max_tokens: int = 16
@@ -65,9 +66,9 @@ class Request:
 
 @dataclass
 class Token:
-    """One token of a generation: its id, the text it makes final (may be empty: a held-back UTF-8 byte or
-    the start of a stop text), its log-probability under the model and the top alternatives (when asked),
-    and, on the last event, why the generation ended."""
+    """One event of a generation: a token's id, the text it makes final (may be empty: a held-back UTF-8 byte
+    or the start of a stop text), its log-probability under the model and the top alternatives (when asked),
+    and, on the last event, why the generation ended (and, when it failed, the error's message)."""
 
     id: Optional[int]
     text: str = ""
@@ -75,44 +76,60 @@ class Token:
     top: Optional[list] = None  # [(token id, logprob)], most likely first
     prompt: bool = False  # an echoed prompt token
     finish_reason: Optional[str] = None
+    error: Optional[str] = None
 
 
 class Generation:
-    """A request's handle: its Token events in order, the last with finish_reason set. By default they wait
-    here for next_event() (or iteration); a sink (a callable, e.g. one that hands them to an asyncio loop)
-    receives them instead, on the engine's thread. cancel() ends it at the next step."""
+    """A request's handle: its Token events in order, the last with finish_reason set, waiting here for
+    next_event() (or iteration). notify, when given, is called on the engine's thread after each event (e.g. to
+    wake an asyncio loop). With max_backlog, the engine pauses the request while that many events wait unread
+    (a client that does not read holds no more), and ends it ("abort") once nothing was read for stall_timeout
+    seconds. cancel() ends it at the next step."""
 
-    def __init__(self, request, text, sink=None):
-        self.request, self.text, self.sink = request, text, sink
+    def __init__(self, request, text, notify=None, max_backlog=None):
+        self.request, self.text, self.notify, self.max_backlog = request, text, notify, max_backlog
         self.events, self.ready = collections.deque(), threading.Condition()
         self.cancelled = False
-        self.finish_reason = None
-        self.prompt_tokens = 0
+        self.finish_reason, self.error = None, None
+        self.prompt_tokens = len(request.prompt)
         self.completion_tokens = 0
+        self.last_read = time.monotonic()
+        self.resume = None  # the engine's: called when a paused generation's reader takes events
         # decoding state (the engine's)
-        self.ids = list(request.prompt)
-        self.cache = None
+        self.ids = list(request.prompt)  # every token so far: the prompt, then each one sampled
+        self.todo = list(request.prompt)  # what the model has not seen yet: the prompt, then the token sampled last
+        self.slot = None  # its row of the engine's KV cache, while it runs
+        self.length = 0  # positions of that row filled
+        self.echoed = 0  # prompt tokens echoed so far (echo)
         self.generator = None
-        self.pending = None  # the token sampled last, not fed to the model yet
 
     def emit(self, token):
         """Deliver token, unless the generation has ended already (an abort can overtake the engine)."""
         with self.ready:
             if self.finish_reason is not None:
                 return
-            self.finish_reason = token.finish_reason
-            if self.sink is None:
-                self.events.append(token)
-                self.ready.notify_all()
-        if self.sink is not None:
-            self.sink(token)
+            self.finish_reason, self.error = token.finish_reason, token.error
+            self.events.append(token)
+            self.ready.notify_all()
+        if self.notify is not None:
+            self.notify()
 
     def next_event(self, timeout=None):
         """The next Token (waiting for it, at most timeout seconds: then None)."""
         with self.ready:
             if not self.events and not self.ready.wait_for(lambda: self.events, timeout):
                 return None
-            return self.events.popleft()
+        return self.take(1)[0]
+
+    def take(self, n=None):
+        """The Tokens that have arrived (at most n), without waiting."""
+        with self.ready:
+            paused = self.paused
+            taken = [self.events.popleft() for _ in range(min(len(self.events), n or len(self.events)))]
+            self.last_read = time.monotonic()
+        if paused and self.resume is not None:
+            self.resume()  # (outside self.ready: the engine takes its own lock, and calls emit while holding it)
+        return taken
 
     def __iter__(self):
         while True:
@@ -127,6 +144,11 @@ class Generation:
     @property
     def done(self):
         return self.finish_reason is not None
+
+    @property
+    def paused(self):
+        """Too many events wait unread (max_backlog): the engine does not run it until some are read."""
+        return self.max_backlog is not None and len(self.events) >= self.max_backlog
 
 
 class StreamText:
@@ -233,32 +255,82 @@ def can_pack(dtype):
     return dtype == "float32" or hardware.cpu_native("bfloat16") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+class Slots:
+    """The engine's KV cache: the keys and values of every layer for max_batch rows of block_size positions.
+    Each running request holds one row (a slot) from its first token to its last, then the next one reuses it:
+    the memory of the cache is that of max_batch rows, whatever the number of requests."""
+
+    def __init__(self, config, rows, dtype, device):
+        # one spare position, as KVCache (model.py): a compiled model then never sees a slice of the whole buffer;
+        # empty, not zeros: a row only ever reads the positions it wrote (allocated pages are touched as used)
+        shape = (rows, config.n_head, config.block_size + 1, config.n_embd // config.n_head)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.free = list(range(rows))[::-1]
+
+
+class Rows:
+    """The kv_cache of one forward pass: T new tokens for each of some slots, each after its own length.
+    Attention runs row by row over exactly the row's positions (PyTorch's batched attention kernels round a row
+    differently depending on the other rows, and a request's tokens must not depend on what else runs)."""
+
+    def __init__(self, slots, rows):
+        self.slots, self.rows = slots, rows  # [(slot, length)]
+
+    def positions(self, T, device):
+        """The positions of T new tokens: (B, T), each row's own."""
+        return torch.tensor([[length + t for t in range(T)] for _, length in self.rows], device=device)
+
+    def attend(self, layer, q, k, v, heads):
+        """Store each row's k, v (B, nh, T, hs) in its slot; the heads' attention of each row over its positions."""
+        keys, values, T = self.slots.k[layer], self.slots.v[layer], q.size(2)
+        out = []
+        for i, (slot, length) in enumerate(self.rows):
+            keys[slot, :, length:length + T] = k[i]
+            values[slot, :, length:length + T] = v[i]
+            out.append(heads(q[i:i + 1], keys[slot:slot + 1, :, :length + T], values[slot:slot + 1, :, :length + T]))
+        return torch.cat(out)
+
+    def advance(self, T):
+        pass  # the engine keeps each row's length
+
+
 class Engine:
     """Continuous batching over one model (see the module's docstring). submit() from any thread; step() runs
     one step (sample.py calls it in a loop); start() runs steps in a thread of its own while there is work
-    (serve.py). max_batch: running rows at most; max_waiting: requests waiting to join, at most; use_cache=False
-    encodes each row's whole window again for every token, as nanoGPT does (the same tokens, slower)."""
+    (serve.py). max_batch: running rows at most (the KV cache's rows); max_waiting: requests waiting to join, at
+    most; prefill_chunk: prompt tokens encoded in one pass, at most; stall_timeout: seconds a paused
+    generation (see Generation) may wait for its reader; use_cache=False encodes each row's whole window again
+    for every token, as nanoGPT does (the same tokens, slower)."""
 
-    def __init__(self, model, tokenizer, device="cpu", max_batch=32, max_waiting=256, use_cache=True):
+    def __init__(self, model, tokenizer, device="cpu", max_batch=32, max_waiting=256, use_cache=True,
+                 prefill_chunk=64, stall_timeout=60.0):
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.vocab = tokenizer.vocab_size  # the tokenizer's ids: a padded vocabulary's extra rows are never drawn
         self.block_size = model.config.block_size
-        self.cache_dtype = model.cache_dtype(self.device)
+        self.slots = Slots(model.config, max_batch, model.cache_dtype(self.device), self.device)
         self.max_batch, self.max_waiting, self.use_cache = max_batch, max_waiting, use_cache
+        self.prefill_chunk, self.stall_timeout = prefill_chunk, stall_timeout
         self.waiting, self.rows = collections.deque(), []
         self.lock = threading.Condition()
-        self.thread, self.stopping = None, False
+        self.thread, self.stopping, self.failure = None, False, None
 
     # ------------------------------------------------------------------ submitting
 
-    def submit(self, request, sink=None):
-        """Queue request; its Generation (sink: see Generation). QueueFull when max_waiting requests wait."""
-        generation = Generation(request, StreamText(self.tokenizer, request.stop, request.stop_tokens), sink)
-        generation.ids = list(request.prompt)[-self.block_size:]
-        generation.prompt_tokens = len(generation.ids)
+    def submit(self, request, notify=None, max_backlog=None):
+        """Queue request; its Generation (notify, max_backlog: see Generation). ValueError for a prompt that is
+        empty or longer than block_size; QueueFull when max_waiting requests wait; Stopped once the engine has
+        stopped."""
+        if not 0 < len(request.prompt) <= self.block_size:
+            raise ValueError(f"a prompt must have 1 to {self.block_size} tokens, not {len(request.prompt)}")
+        generation = Generation(request, StreamText(self.tokenizer, request.stop, request.stop_tokens), notify,
+                                max_backlog)
         seed = request.seed if request.seed is not None else secrets.randbits(62)
         generation.generator = torch.Generator(device=self.device).manual_seed(seed)
+        generation.resume = self._wake
         with self.lock:
+            if self.failure is not None or self.stopping:
+                raise Stopped(f"the generation engine has stopped{': ' + self.failure if self.failure else ''}")
             if len(self.waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting already (max_waiting)")
             self.waiting.append(generation)
@@ -271,6 +343,12 @@ class Engine:
         only at the next step)."""
         with self.lock:
             return sum(not g.done for g in self.rows), len(self.waiting)
+
+    @property
+    def alive(self):
+        """Can the engine serve requests? (Not once its thread has died or an error outside a request stopped it.)"""
+        running = self.thread is None or self.thread.is_alive()
+        return running and self.failure is None and not self.stopping
 
     # ------------------------------------------------------------------ running
 
@@ -288,99 +366,149 @@ class Engine:
         if self.thread is not None:
             self.thread.join(timeout=60)
 
-    def abort_all(self):
-        """End every waiting and running generation now (finish_reason abort): for shutting down."""
+    def abort_all(self, reason="abort", error=None):
+        """End every waiting and running generation now: for shutting down (abort), or failing (error)."""
         with self.lock:
             everyone = list(self.waiting) + list(self.rows)
             self.waiting.clear()
         for g in everyone:
             g.cancel()
-            self._finish(g, "abort")
+            self._finish(g, reason, error)
+
+    def _wake(self):
+        with self.lock:
+            self.lock.notify_all()
 
     def _run(self):
-        while True:
-            with self.lock:
-                self.lock.wait_for(lambda: self.waiting or self.rows or self.stopping)
-                if self.stopping:
-                    return
-            self.step()
+        try:
+            while True:
+                with self.lock:
+                    # paused rows only (clients that do not read): wake now and then to end the stalled ones
+                    self.lock.wait_for(lambda: self.stopping or self.waiting or any(not g.paused for g in self.rows),
+                                       timeout=0.5 if self.rows else None)
+                    if self.stopping:
+                        return
+                self.step()
+        except BaseException as e:  # a fault outside any request (each request's own are caught in step)
+            self.failure = describe(e)
+            print(f"engine: stopped by {self.failure}", file=sys.stderr, flush=True)
+            self.abort_all("error", f"the server's generation engine failed ({self.failure})")
 
     @torch.inference_mode()
     def step(self):
-        """Admit waiting requests (each prompt encoded alone), then one token for every running row."""
-        with self.lock:
-            for g in [g for g in self.rows if g.cancelled and not g.done]:
-                self._finish(g, "abort")
-            self.rows = [g for g in self.rows if not g.done]
-            while self.waiting and len(self.rows) < self.max_batch:
-                self.rows.append(self.waiting.popleft())
-            rows = list(self.rows)
-        for g in rows:
-            if g.cache is None and not g.done:
-                self._start(g)
-        batch = [g for g in rows if not g.done and g.pending is not None]
-        # past block_size (or without the cache: always, as nanoGPT): the window encoded again, alone
-        full = [g for g in batch if g.cache.pos >= self.block_size or not self.use_cache]
-        for g in full:
-            self._window(g)
-        batch = [g for g in batch if g not in full]
-        if batch:
-            idx = torch.tensor([[g.pending] for g in batch], device=self.device)
-            logits, _ = self.model(idx, kv_cache=RowCaches([g.cache for g in batch]))
-            for g, row in zip(batch, logits[:, -1, :self.vocab].float()):
-                self._sample(g, row)
+        """One step: admit waiting requests; one token for every running row that has one to feed; then a chunk
+        of the waiting prompts (one chunk while rows are decoding, one for each prompt when none is)."""
+        ready = [g for g in self._admit() if not g.done and not g.paused]
+        decoding = [g for g in ready if len(g.todo) == 1]
+        if decoding:
+            self._feed(decoding, 1)
+        prompts = [g for g in ready if len(g.todo) > 1 and not g.done]
+        for g in prompts[:1] if decoding else prompts:
+            self._feed([g], min(len(g.todo), self.prefill_chunk))
 
-    def _start(self, g):
-        """Encode the prompt alone into its own cache; echo its tokens if asked; sample the first token."""
-        g.cache = KVCache(self.model.config, 1, self.cache_dtype, self.device)
-        request = g.request
-        idx = torch.tensor([g.ids], device=self.device)
-        logits, _ = self.model(idx, kv_cache=g.cache, every_position=request.echo)
-        logits = logits[0, :, :self.vocab].float()
-        if request.echo:
-            self._echo(g, logits)
-        if request.max_tokens == 0:
+    def _admit(self):
+        """Drop the rows that ended (their slots are free again), end cancelled and stalled ones, and let waiting
+        requests join while there are free slots; the running rows."""
+        now = time.monotonic()
+        with self.lock:
+            for g in self.rows + list(self.waiting):
+                if g.cancelled or g.paused and now - g.last_read > self.stall_timeout:
+                    self._finish(g, "abort")
+            for g in self.rows:
+                if g.done:
+                    self.slots.free.append(g.slot)
+            self.rows = [g for g in self.rows if not g.done]
+            self.waiting = collections.deque(g for g in self.waiting if not g.done)
+            joining = []
+            while self.waiting and self.slots.free:
+                joining.append(self.waiting.popleft())
+                joining[-1].slot = self.slots.free.pop()
+            self.rows += joining
+            rows = list(self.rows)
+        for g in joining:
+            self._begin(g)
+        return rows
+
+    def _begin(self, g):
+        """A row's first step: echo its first prompt token (nothing predicts it); max_tokens 0 without echo ends
+        at once (no prompt pass)."""
+        if g.request.echo:
+            g.echoed = 1
+            g.emit(Token(g.ids[0], self.tokenizer.decode(g.ids[:1]), prompt=True))
+        if g.request.max_tokens == 0 and not g.request.echo:
+            self._finish(g, "length")
+
+    def _feed(self, rows, n):
+        """Run the model on the next n tokens of each row, then take each row's logits. When the pass fails, the
+        rows are run again one by one and only those that fail alone end (finish_reason error)."""
+        try:
+            logits = self._forward(rows, n)
+        except Exception as e:
+            if len(rows) == 1:
+                self._fail(rows[0], e)
+                return
+            for g in rows:
+                self._feed([g], n)
+            return
+        for g, row in zip(rows, logits):
+            try:
+                self._took(g, n, row)
+            except Exception as e:
+                self._fail(g, e)
+
+    def _forward(self, rows, n):
+        """The model's float32 logits (B, n or 1, vocab) for the next n tokens of each row (every position's when
+        the row's prompt is echoed)."""
+        idx = torch.tensor([g.todo[:n] for g in rows], device=self.device)
+        every = any(g.request.echo and g.echoed < g.prompt_tokens for g in rows)
+        logits, _ = self.model(idx, kv_cache=Rows(self.slots, [(g.slot, g.length) for g in rows]),
+                               every_position=every)
+        return logits[:, :, :self.vocab].float()
+
+    def _took(self, g, n, logits):
+        """Book n tokens fed to g with their logits (n or 1, V): echo the prompt's, sample after the last."""
+        start = g.length
+        g.length += n
+        del g.todo[:n]
+        if g.request.echo and g.echoed < g.prompt_tokens:
+            self._echo(g, start, logits)
+        if g.todo:
+            return  # more of the prompt (or window) to encode first
+        if g.request.max_tokens == 0:
             self._finish(g, "length")
             return
         self._sample(g, logits[-1])
 
-    def _window(self, g):
-        """A row past block_size: its last block_size tokens (the newest sampled included) encoded again."""
-        g.cache.pos = 0
-        g.ids.append(g.pending)
-        idx = torch.tensor([g.ids[-self.block_size:]], device=self.device)
-        logits, _ = self.model(idx, kv_cache=g.cache)
-        self._sample(g, logits[0, -1, :self.vocab].float(), fed=True)
-
-    def _echo(self, g, logits):
-        """The prompt's tokens as Token events: each one's log-probability given those before (None for the
-        first), and the top alternatives."""
-        logprobs = F.log_softmax(logits, dim=-1) if g.request.logprobs is not None else None
-        for i, token in enumerate(g.ids):
+    def _echo(self, g, start, logits):
+        """The prompt's tokens predicted by positions start.. as Token events: each one's log-probability given
+        those before, and the top alternatives."""
+        k = g.request.logprobs
+        logprobs = F.log_softmax(logits, dim=-1) if k is not None else None
+        while g.echoed < g.prompt_tokens and g.echoed - 1 - start < logits.size(0):
+            token = g.ids[g.echoed]
             event = Token(token, self.tokenizer.decode([token]), prompt=True)
-            if logprobs is not None and i > 0:
-                event.logprob, event.top = self._scores(logprobs[i - 1], token, g.request.logprobs)
+            if logprobs is not None:
+                event.logprob, event.top = self._scores(logprobs[g.echoed - 1 - start], token, k)
             g.emit(event)
+            g.echoed += 1
 
     def _scores(self, logprobs, token, k):
         top = torch.topk(logprobs, k) if k else None
         alternatives = list(zip(top.indices.tolist(), top.values.tolist())) if k else []
         return logprobs[token].item(), alternatives
 
-    def _sample(self, g, logits, fed=False):
+    def _sample(self, g, logits):
         """Draw the next token of g from its logits (V,) and emit it; end g when it is done."""
         request = g.request
-        if g.cancelled:
-            self._finish(g, "abort")
-            return
-        if g.pending is not None and not fed:
-            g.ids.append(g.pending)
         token = sample_next(logits[None], request.temperature, request.top_k, request.top_p, g.generator).item()
         event = Token(token, g.text.add(token))
         if request.logprobs is not None:
             event.logprob, event.top = self._scores(F.log_softmax(logits, dim=-1), token, request.logprobs)
         g.completion_tokens += 1
-        g.pending = token
+        g.ids.append(token)
+        g.todo = [token]
+        if not self.use_cache or g.length >= self.block_size:
+            g.length, g.todo = 0, g.ids[-self.block_size:]  # the window encoded again: no cache, or it slid
         if g.text.done:
             event.finish_reason = "stop"
         elif g.completion_tokens >= request.max_tokens:
@@ -388,10 +516,24 @@ class Engine:
             event.finish_reason = "length"
         g.emit(event)
 
-    def _finish(self, g, reason):
+    def _fail(self, g, e):
+        message = describe(e)
+        print(f"engine: a request failed: {message}", file=sys.stderr, flush=True)
+        self._finish(g, "error", f"generation failed: {message}")
+
+    def _finish(self, g, reason, error=None):
         if not g.done:
-            g.emit(Token(None, g.text.finish(), finish_reason=reason))
+            g.emit(Token(None, g.text.finish(), finish_reason=reason, error=error))
+
+
+def describe(e):
+    """An exception as one line: its type and the first line of its message."""
+    return f"{type(e).__name__}: {first_line(e)}"
 
 
 class QueueFull(Exception):
     """More requests than the engine is configured to hold (max_waiting)."""
+
+
+class Stopped(Exception):
+    """The engine does not run any more (stopped, or failed outside a request)."""

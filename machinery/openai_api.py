@@ -4,19 +4,22 @@ tokenizer over HTTP as vLLM serves it, and a web page. FastAPI routes; the reque
 field by field, so that every mistake gets OpenAI's error object and a 4xx status.
 
     GET  /                      the web page (chat.html beside this file: no CDN, works offline)
-    GET  /health                {"status": "ok", "running": N, "waiting": M}
-    GET  /v1/models             the one model, by name
+    GET  /health                {"status": "ok", "running": N, "waiting": M}; 503 once the engine cannot serve
+    GET  /v1/models             the one model, by name, and its context length (max_model_len)
     POST /v1/completions        prompt: a string, a list of token ids, or a list of either; max_tokens (16),
                                 temperature (1), top_p, top_k (an extension), n, stop, seed, stream, echo,
                                 logprobs (0-5), stream_options.include_usage
-    POST /v1/chat/completions   messages, rendered by CHAT_TEMPLATE; the other settings as above
+    POST /v1/chat/completions   messages, rendered by CHAT_TEMPLATE; max_tokens / max_completion_tokens (default:
+                                up to the context); the other settings as above
     GET  /tokenizer_info        eos / bos / pad tokens, the chat template, model_max_length
     POST /tokenize              {"prompt", "add_special_tokens"} -> {"tokens", "count", "max_model_len"}
     POST /detokenize            {"tokens"} -> {"prompt"}
 
 Semantics worth knowing:
-- A prompt longer than block_size keeps its last block_size tokens, as sample.py does; usage.prompt_tokens
-  counts those, and echo returns them.
+- A prompt longer than block_size is refused (400, code context_length_exceeded), as OpenAI and vLLM do:
+  cutting it would change its log-likelihoods silently. Generation past block_size slides the window, as
+  nanoGPT's generate does. An empty prompt starts from <|endoftext|> (GPT-2's unconditional samples), where
+  the model has one; elsewhere it is refused.
 - Generation stops at <|endoftext|> for GPT-2 BPE models (as OpenAI's models stop at theirs), at a stop
   text (cut from the text), or after max_tokens (finish_reason "stop" or "length"; "abort" when the
   server shuts down mid-generation).
@@ -25,18 +28,24 @@ Semantics worth knowing:
   one's None. top_logprobs: the `logprobs` most likely tokens at each position, by their text.
 - seed: choice i of a request draws with seed + i (its own torch.Generator), so the same seeded request
   gives the same text alone or among others (machinery/engine.py). Without a seed, a random one.
-- With an API key, every route but / and /health needs `Authorization: Bearer KEY` (401 without).
+- With an API key, every route but / and /health needs `Authorization: Bearer KEY` (401 without). POST routes
+  take `Content-Type: application/json` only (415): a web page elsewhere cannot post a form to them.
+- A client's mistake is a 4xx with OpenAI's error object; a limit of this server is 400 naming the field; 429
+  (with Retry-After) only when the queue is full; a request that fails inside the engine ends alone with a
+  500 (or, streamed, an error event and [DONE]); a client that hangs up or stops reading frees its row.
 """
 
 import asyncio
+import hmac
 import json
+import math
 import os
 import time
 import uuid
 from dataclasses import dataclass
 
-from machinery.engine import QueueFull, Request
-from machinery.errors import UserError
+from machinery.engine import QueueFull, Request, Stopped
+from machinery.errors import UserError, first_line
 from machinery.tokenizer import end_of_text_stop
 
 # The chat template, for base models (which were never trained on a chat format): the messages as a plain
@@ -48,12 +57,14 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['con
 CHAT_STOP = "\nUser:"
 MAX_STOP_TEXTS = 4
 MAX_LOGPROBS = 5
+STREAM_BACKLOG = 64  # events a stream may leave unread before its generation pauses (Generation.max_backlog)
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a 64-bit signed integer, as OpenAI's and vLLM's seed
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
 
 
 @dataclass
 class Limits:
-    """What one server takes on: beyond them a request is answered 429 (413 for the body)."""
+    """What one server takes on: beyond them a request is answered 400 (413 for the body)."""
 
     max_tokens: int = 1024  # tokens a request may ask to generate, per choice
     max_n: int = 8  # choices per request (prompts x n)
@@ -63,9 +74,9 @@ class Limits:
 class APIError(Exception):
     """A request the API refuses: its HTTP status and OpenAI's error object."""
 
-    def __init__(self, status, message, param=None, code=None, type="invalid_request_error"):
+    def __init__(self, status, message, param=None, code=None, type="invalid_request_error", headers=None):
         super().__init__(message)
-        self.status, self.param, self.code, self.type = status, param, code, type
+        self.status, self.param, self.code, self.type, self.headers = status, param, code, type, headers
 
     def body(self):
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
@@ -88,22 +99,27 @@ def field(body, name, kinds, default=None, check=None, expect=""):
 
 
 class Requests:
-    """Reads the generation settings of a request body into engine Requests, one per choice."""
+    """Reads the generation settings of a request body into engine Requests, one per choice. max_tokens None
+    (chat's default) generates up to the context: block_size minus the prompt's tokens."""
 
-    def __init__(self, server, body):
+    def __init__(self, server, body, max_tokens=16):
         self.server = server
         tokenizer, limits = server.tokenizer, server.limits
-        self.max_tokens = field(body, "max_tokens", int, 16, lambda v: v >= 0, "an integer >= 0")
-        if self.max_tokens > limits.max_tokens:
-            raise APIError(429, f"max_tokens {self.max_tokens} is more than this server's limit of "
-                                f"{limits.max_tokens}", "max_tokens", "limit_exceeded", "rate_limit_error")
+        names = ("max_completion_tokens", "max_tokens") if max_tokens is None else ("max_tokens",)  # chat: both
+        given = [name for name in names if body.get(name) is not None]
+        self.max_tokens_param = given[0] if given else names[-1]
+        self.max_tokens = field(body, self.max_tokens_param, int, max_tokens, lambda v: v >= 0, "an integer >= 0")
+        if self.max_tokens is not None and self.max_tokens > limits.max_tokens:
+            raise APIError(400, f"{self.max_tokens_param} {self.max_tokens} is more than this server's limit of "
+                                f"{limits.max_tokens}", self.max_tokens_param, "limit_exceeded")
         self.temperature = field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2,
                                  "a number from 0 to 2")
-        self.top_p = field(body, "top_p", (int, float), None, lambda v: 0 < v <= 1, "a number in (0, 1]")
+        self.top_p = field(body, "top_p", (int, float), None, lambda v: 0 <= v <= 1, "a number from 0 to 1")
         self.top_k = field(body, "top_k", int, None, lambda v: v > 0 or v == -1, "a positive integer (-1: off)")
         self.top_k = None if self.top_k == -1 else self.top_k
         self.n = field(body, "n", int, 1, lambda v: v >= 1, "an integer >= 1")
-        self.seed = field(body, "seed", int, None, expect="an integer")
+        self.seed = field(body, "seed", int, None, lambda v: SEED_RANGE[0] <= v <= SEED_RANGE[1] - 64,
+                          "a 64-bit signed integer")
         stop = field(body, "stop", (str, list), (), expect="a string or a list of strings")
         stop = [stop] if isinstance(stop, str) else stop
         if len(stop) > MAX_STOP_TEXTS or not all(isinstance(s, str) and s for s in stop):
@@ -125,11 +141,13 @@ class Requests:
     def choices(self, prompts):
         """The engine Requests: for each prompt, n choices (choice i with seed + i)."""
         if len(prompts) * self.n > self.server.limits.max_n:
-            raise APIError(429, f"{len(prompts)} prompt(s) x n = {self.n} is more choices than this server's "
-                                f"limit of {self.server.limits.max_n}", "n", "limit_exceeded", "rate_limit_error")
-        return [Request(ids, self.max_tokens, self.temperature, self.top_k, self.top_p,
-                        None if self.seed is None else self.seed + i, self.stop, self.stop_tokens, self.logprobs,
-                        self.echo) for ids in prompts for i in range(self.n)]
+            raise APIError(400, f"{len(prompts)} prompt(s) x n = {self.n} is more choices than this server's "
+                                f"limit of {self.server.limits.max_n}", "n", "limit_exceeded")
+        block_size = self.server.block_size
+        return [Request(ids, self.max_tokens if self.max_tokens is not None else max(1, block_size - len(ids)),
+                        self.temperature, self.top_k, self.top_p, None if self.seed is None else self.seed + i,
+                        self.stop, self.stop_tokens, self.logprobs, self.echo)
+                for ids in prompts for i in range(self.n)]
 
 
 def prompts_of(server, prompt):
@@ -137,10 +155,10 @@ def prompts_of(server, prompt):
     either (lm-evaluation-harness sends lists of ids)."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
         prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, (str, list)) for p in prompt):
         raise APIError(400, "prompt must be a string, a list of token ids, or a non-empty list of either",
                        "prompt", "invalid_type")
-    return [server.encode(p, "prompt") if isinstance(p, str) else server.check_ids(p, "prompt") for p in prompt]
+    return [server.check_ids(server.encode(p, "prompt") if isinstance(p, str) else p, "prompt") for p in prompt]
 
 
 def _is_id(value):
@@ -206,14 +224,28 @@ class Server:
     def encode(self, text, param):
         try:
             return self.tokenizer.encode_with_specials(text)
-        except UserError as e:  # a character outside a character-level vocabulary
-            raise APIError(400, f"{param}: {e}", param, "invalid_value") from None
+        except (UserError, UnicodeError) as e:  # a character outside a character-level vocabulary, a lone surrogate
+            raise APIError(400, f"{param}: {first_line(e)}", param, "invalid_value") from None
 
     def check_ids(self, ids, param):
+        """ids, when every one is a token id of this model's vocabulary."""
         vocab = self.tokenizer.vocab_size
-        if not ids or not all(_is_id(t) and 0 <= t < vocab for t in ids):
+        if not all(_is_id(t) and 0 <= t < vocab for t in ids):
             raise APIError(400, f"{param}: token ids must be integers from 0 to {vocab - 1} (this model's "
-                                f"vocabulary), and a prompt needs at least one", param, "invalid_value")
+                                f"vocabulary)", param, "invalid_value")
+        return ids
+
+    def prompt_ids(self, ids, param):
+        """A prompt's ids as the engine takes them: an empty prompt starts from <|endoftext|> (where the model has
+        one), a prompt longer than the context is refused."""
+        if not ids:
+            if self.tokenizer.eot_token is None:
+                raise APIError(400, f"{param} is empty, and this model has no <|endoftext|> token to start from; "
+                                    f"give some text", param, "invalid_value")
+            return [self.tokenizer.eot_token]
+        if len(ids) > self.block_size:
+            raise APIError(400, f"This model's maximum context length is {self.block_size} tokens, but the "
+                                f"{param} has {len(ids)} tokens; shorten it", param, "context_length_exceeded")
         return ids
 
     def check_model(self, body):
@@ -222,24 +254,60 @@ class Server:
             raise APIError(404, f"the model {model!r} does not exist; this server has {self.name!r}", "model",
                            "model_not_found")
 
-    def submit(self, requests, chat=False):
-        """Start every choice on the engine; their Completions and the queue their Tokens arrive on."""
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    def submit(self, requests, chat=False, stream=False):
+        """Start every choice on the engine; a Choices that follows them."""
+        loop, wake = asyncio.get_running_loop(), asyncio.Event()
         completions = []
         try:
             for i, request in enumerate(requests):
-                generation = self.engine.submit(
-                    request, sink=lambda token, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, token)))
+                generation = self.engine.submit(request, notify=lambda: loop.call_soon_threadsafe(wake.set),
+                                                max_backlog=STREAM_BACKLOG if stream else None)
                 completions.append(Completion(self, generation, i, chat))
-        except QueueFull as e:
+        except (QueueFull, Stopped) as e:
             for c in completions:
                 c.generation.cancel()
+            if isinstance(e, Stopped):
+                raise APIError(503, f"the server cannot generate: {e}", None, "engine_stopped",
+                               "server_error") from None
             raise APIError(429, f"the server is busy: {e}; try again later", None, "queue_full",
-                           "rate_limit_error") from None
-        return completions, queue
+                           "rate_limit_error", headers={"Retry-After": "1"}) from None
+        return Choices(completions, wake)
 
-    def cancel(self, completions):
-        for c in completions:
+
+class Choices:
+    """The choices of one request as they are generated: their Completions, and their Tokens as they arrive."""
+
+    def __init__(self, completions, wake):
+        self.completions, self.wake = completions, wake
+
+    async def events(self, hung_up=None):
+        """(Completion, Token) as they arrive, until every choice has ended. hung_up: an async callable, asked
+        twice a second; when it answers True the choices are cancelled and this ends."""
+        asked = time.monotonic()
+        while not all(c.finish_reason for c in self.completions):
+            if hung_up is not None and time.monotonic() - asked > 0.5:
+                if await hung_up():
+                    self.cancel()
+                    return
+                asked = time.monotonic()
+            self.wake.clear()  # (before taking: an event emitted after the take sets it again)
+            arrived = [(c, token) for c in self.completions for token in c.generation.take()]
+            for c, token in arrived:
+                yield c, token  # (the caller adds it to c before the loop asks whether every choice has ended)
+            if not arrived:
+                try:
+                    await asyncio.wait_for(self.wake.wait(), 0.5 if hung_up else None)
+                except asyncio.TimeoutError:
+                    pass
+
+    def failure(self):
+        """The APIError of the first choice that failed in the engine, or None."""
+        failed = next((c for c in self.completions if c.finish_reason == "error"), None)
+        return None if failed is None else APIError(500, failed.generation.error, None, "generation_failed",
+                                                    "server_error")
+
+    def cancel(self):
+        for c in self.completions:
             c.generation.cancel()
 
 
@@ -247,17 +315,17 @@ def response_id(chat):
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-async def collect(completions, queue):
-    """Wait until every choice has ended."""
-    while any(c.finish_reason is None for c in completions):
-        i, token = await queue.get()
-        completions[i].add(token)
+async def collect(choices, hung_up):
+    """Wait until every choice has ended (or the client has hung up: then they are cancelled)."""
+    async for c, token in choices.events(hung_up):
+        c.add(token)
 
 
-async def stream(server, completions, queue, chat, include_usage):
+async def stream(server, choices, chat, include_usage):
     """Server-sent events: a chunk per token text (or logprobs) of any choice as it arrives, then each
-    choice's end, then usage (when asked), then [DONE]. A client that hangs up cancels every choice."""
-    rid, created = response_id(chat), int(time.time())
+    choice's end, then usage (when asked), then [DONE]; a choice that fails in the engine ends the stream with
+    an error event instead. A client that hangs up cancels every choice."""
+    rid, created, completions = response_id(chat), int(time.time()), choices.completions
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choices, **extra):
@@ -269,24 +337,28 @@ async def stream(server, completions, queue, chat, include_usage):
             yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                          for c in completions])
         started = [False] * len(completions)
-        while any(c.finish_reason is None for c in completions):
-            i, token = await queue.get()
-            c = completions[i]
+        async for c, token in choices.events():
             before = {k: len(v) for k, v in c.logprobs.items()}
             text = c.add(token)
-            if chat and not started[i]:
+            if token.finish_reason == "error":
+                raise choices.failure()
+            if chat and not started[c.index]:
                 text = text.lstrip()
-                started[i] = bool(text)
+                started[c.index] = bool(text)
             logprobs = {k: v[before[k]:] for k, v in c.logprobs.items()}
             if text or logprobs["tokens"] or c.finish_reason:
                 yield chunk([c.choice(delta=text, logprobs=logprobs) if not chat else
-                             {"index": i, "delta": {"content": text} if text else {},
+                             {"index": c.index, "delta": {"content": text} if text else {},
                               "finish_reason": c.finish_reason}])
         if include_usage:
             yield chunk([], usage=usage(completions))
-        yield "data: [DONE]\n\n"
+    except Exception as e:  # the status line is sent already: the error goes in the stream, which still ends
+        error = e if isinstance(e, APIError) else APIError(500, f"the server failed: {first_line(e)}", None,
+                                                           "internal_error", "server_error")
+        yield "data: " + json.dumps(error.body()) + "\n\n"
     finally:
-        server.cancel(completions)
+        choices.cancel()
+    yield "data: [DONE]\n\n"
 
 
 def completion_body(server, completions, chat):
@@ -296,16 +368,22 @@ def completion_body(server, completions, chat):
 
 
 def render_chat(messages):
-    """The prompt text of chat messages (CHAT_TEMPLATE)."""
+    """The prompt text of chat messages (CHAT_TEMPLATE). A message's content is a string or a list of text parts
+    ([{"type": "text", "text": ...}], as many chat UIs send it), joined by newlines."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages",
                        "invalid_type")
+    plain = []
     for m in messages:
-        if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                and isinstance(m.get("content"), str)):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            content = "\n".join(p["text"] for p in content)
+        if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(content, str)):
             raise APIError(400, "each message must be {\"role\": \"system\" | \"user\" | \"assistant\", "
-                                "\"content\": a string}", "messages", "invalid_value")
-    return chat_template().render(messages=messages, add_generation_prompt=True)
+                                "\"content\": a string or a list of text parts}", "messages", "invalid_value")
+        plain.append({"role": m["role"], "content": content})
+    return chat_template().render(messages=plain, add_generation_prompt=True)
 
 
 _template = None
@@ -334,7 +412,12 @@ def create_app(server):
 
     @app.exception_handler(APIError)
     async def api_error(request, e):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def server_fault(request, e):  # a fault of the server, not of the request: the same JSON shape
+        return JSONResponse(APIError(500, f"the server failed: {first_line(e)}", None, "internal_error",
+                                     "server_error").body(), status_code=500)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e):  # unknown routes (404), wrong methods (405)
@@ -347,40 +430,69 @@ def create_app(server):
     return app
 
 
-async def body_of(server, request):
-    """The request's JSON object, after the API key (when the server has one)."""
-    if server.api_key is not None and request.headers.get("authorization") != f"Bearer {server.api_key}":
+def check_key(server, request):
+    """401 unless the request carries the server's API key (when it has one): `Authorization: Bearer KEY`, the
+    scheme in any case, the key compared in constant time."""
+    if server.api_key is None:
+        return
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if not (scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), server.api_key.encode())):
         raise APIError(401, "missing or wrong API key; send Authorization: Bearer KEY", None, "invalid_api_key")
+
+
+async def body_of(server, request):
+    """The request's JSON object, after the API key (when the server has one). A POST must say it is JSON (a form
+    that a page on another site posts cannot); NaN, infinities, invalid UTF-8 and nesting too deep to read are
+    not JSON."""
+    check_key(server, request)
     if request.method != "POST":
         return {}
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(415, f"the body must be sent as Content-Type: application/json, not {media_type or 'none'}",
+                       None, "unsupported_media_type")
     try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the body is not valid JSON ({str(e)[:100]})", None, "invalid_json") from None
+        body = json.loads(await request.body(), parse_constant=_not_json, parse_float=_finite)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise APIError(400, f"the body is not valid JSON ({first_line(e, 100)})", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", None, "invalid_json")
     return body
 
 
-async def answer(server, prompts, requests, chat):
-    """Run the choices; a stream of server-sent events, or the whole response."""
+def _not_json(constant):
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _finite(text):
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is too large a number")
+    return value
+
+
+async def answer(server, request, prompts, requests, chat):
+    """Run the choices; a stream of server-sent events, or the whole response (not when the client has hung up
+    meanwhile: then the choices are cancelled, and nothing is sent)."""
     from fastapi.responses import StreamingResponse
 
-    completions, queue = server.submit(requests.choices(prompts), chat)
+    choices = server.submit(requests.choices(prompts), chat, requests.stream)
     if requests.stream:
-        return StreamingResponse(stream(server, completions, queue, chat, requests.include_usage),
+        return StreamingResponse(stream(server, choices, chat, requests.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        await collect(completions, queue)
+        await collect(choices, request.is_disconnected)
     finally:
-        server.cancel(completions)
-    return completion_body(server, completions, chat)
+        choices.cancel()
+    if (failure := choices.failure()) is not None:
+        raise failure
+    return completion_body(server, choices.completions, chat)
 
 
 def add_generation_routes(app, server):
     """The page, health, models, completions and chat completions."""
     from fastapi import Request as HTTPRequest
-    from fastapi.responses import FileResponse
+    from fastapi.responses import FileResponse, JSONResponse
 
     @app.get("/", include_in_schema=False)
     async def page():
@@ -389,6 +501,9 @@ def add_generation_routes(app, server):
     @app.get("/health")
     async def health():
         running, waiting = server.engine.load
+        if not server.engine.alive:  # 503: a supervisor (systemd, Kubernetes) restarts the server
+            return JSONResponse({"status": "error", "error": server.engine.failure or "the engine has stopped",
+                                 "running": running, "waiting": waiting}, status_code=503)
         return {"status": "ok", "running": running, "waiting": waiting}
 
     @app.get("/v1/models")
@@ -404,7 +519,8 @@ def add_generation_routes(app, server):
         if "prompt" not in body:
             raise APIError(400, "prompt is required", "prompt", "missing")
         requests = Requests(server, body)
-        return await answer(server, prompts_of(server, body["prompt"]), requests, chat=False)
+        prompts = [server.prompt_ids(ids, "prompt") for ids in prompts_of(server, body["prompt"])]
+        return await answer(server, request, prompts, requests, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
@@ -413,10 +529,10 @@ def add_generation_routes(app, server):
         for name in ("logprobs", "top_logprobs", "echo"):
             if body.pop(name, None) not in (None, False, 0):
                 raise APIError(400, f"{name} is not supported for chat completions here", name, "unsupported")
-        requests = Requests(server, body)
+        requests = Requests(server, body, max_tokens=None)
         requests.stop = requests.stop + (CHAT_STOP,)
-        prompt = server.encode(render_chat(body.get("messages")), "messages")
-        return await answer(server, [prompt], requests, chat=True)
+        prompt = server.prompt_ids(server.encode(render_chat(body.get("messages")), "messages"), "messages")
+        return await answer(server, request, [prompt], requests, chat=True)
 
 
 def add_tokenizer_routes(app, server):

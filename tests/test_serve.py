@@ -53,9 +53,18 @@ def ckpt_dir(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(ckpt_dir, *settings):
-    """serve.py's server (its build() and app) on 127.0.0.1 at a free port, in a thread of this process."""
+def serving(ckpt_dir, *settings, send_buffer=None):
+    """serve.py's server (its build() and app) on 127.0.0.1 at a free port, in a thread of this process.
+    send_buffer: the bytes of each connection's kernel send buffer (set on the listening socket, which its
+    connections inherit), so that a client that does not read blocks the server's writes sooner."""
+    import socket
+
     port = free_port()
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer is not None:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    listener.bind(("127.0.0.1", port))
     cfg = configurator.parse(serve.ServeConfig, [f"--out_dir={ckpt_dir}", "--device=cpu", "--dtype=float32",
                                                  f"--port={port}", *settings])
     cfg.validate()
@@ -63,7 +72,7 @@ def serving(ckpt_dir, *settings):
     http = uvicorn.Server(uvicorn.Config(openai_api.create_app(server), host="127.0.0.1", port=port,
                                          log_level="warning"))
     server.engine.start()
-    thread = threading.Thread(target=http.run, daemon=True)
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not http.started and time.time() < deadline:
@@ -76,6 +85,7 @@ def serving(ckpt_dir, *settings):
         http.should_exit = True
         server.engine.stop()
         thread.join(timeout=30)
+        listener.close()
 
 
 @pytest.fixture(scope="module")
@@ -110,15 +120,23 @@ def test_greedy_completion_equals_sample_py(server, ckpt_dir):
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens, answer.usage.total_tokens) == (6, 40, 46)
 
 
-def test_a_prompt_longer_than_block_size_keeps_its_last_block_size_tokens_as_in_sample_py(server, ckpt_dir):
-    long = make_corpus()[:100]  # 100 characters, block_size 64
-    answer = client(server).completions.create(model=NAME, prompt=long, max_tokens=20, temperature=0)
+def test_a_prompt_longer_than_block_size_is_refused_and_generation_past_it_slides_as_in_sample_py(server, ckpt_dir):
+    full = make_corpus()[:64]  # block_size characters: the whole context; every new token slides the window
+    answer = client(server).completions.create(model=NAME, prompt=full, max_tokens=20, temperature=0)
     printed = run_in_process(sample.main, f"--out_dir={ckpt_dir}", "--device=cpu", "--dtype=float32",
-                             f"--start={long}", "--max_new_tokens=20", "--temperature=0", "--num_samples=1",
+                             f"--start={full}", "--max_new_tokens=20", "--temperature=0", "--num_samples=1",
                              check=True)
-    assert "keeping its last 64" in printed.stderr
-    assert printed.stdout == long + answer.choices[0].text + "\n---------------\n"
-    assert answer.usage.prompt_tokens == 64
+    assert printed.stdout == full + answer.choices[0].text + "\n---------------\n"
+    assert answer.usage.prompt_tokens == 64 and answer.usage.completion_tokens == 20
+    # one token more, scored with echo and logprobs as lm-evaluation-harness asks: cutting it would change every
+    # log-likelihood, so it is refused as OpenAI and vLLM refuse it, with both numbers
+    longer = server.tokenizer.encode(make_corpus()[:65])
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                   json={"prompt": longer, "echo": True, "logprobs": 1, "max_tokens": 1})
+    error = r.json()["error"]
+    assert r.status_code == 400 and (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+    assert "64" in error["message"] and "65" in error["message"]
+    assert httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["max_model_len"] == 64
 
 
 def test_n_choices_draw_with_seed_plus_i_and_usage_comes_last_when_asked(server):
@@ -269,47 +287,90 @@ def test_lm_evaluation_harness_scores_every_choice_as_the_model_does(server, ckp
 # ---------------------------------------------------------------------- bad requests, limits, hang-ups
 
 
-BAD = [  # (what is sent, status, the error's param, code)
+BAD = [  # (what is sent (a str or bytes: as it is), status, the error's param, code)
     ("not json", 400, None, "invalid_json"),
+    (b'{"prompt": "\xff"}', 400, None, "invalid_json"),  # not UTF-8
+    ("[" * 100000 + "]" * 100000, 400, None, "invalid_json"),  # nested deeper than a parser recurses
+    ('{"prompt": "a", "temperature": NaN}', 400, None, "invalid_json"),  # (Python's json would read NaN)
+    ('{"prompt": "a", "top_p": 1e400}', 400, None, "invalid_json"),  # (and this as infinity)
     ([1, 2], 400, None, "invalid_json"),
     ({"prompt": 5}, 400, "prompt", "invalid_type"),
     ({"prompt": []}, 400, "prompt", "invalid_type"),
+    ({"prompt": [1.5, 2]}, 400, "prompt", "invalid_type"),
+    ({"prompt": ""}, 400, "prompt", "invalid_value"),  # empty: a character model has no <|endoftext|> to start from
+    ({"prompt": [[]]}, 400, "prompt", "invalid_value"),
+    ({"prompt": ["a", ""]}, 400, "prompt", "invalid_value"),
+    ({"prompt": "a" * 65}, 400, "prompt", "context_length_exceeded"),
     ({"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens", "invalid_type"),
+    ({"prompt": "a", "max_tokens": 1.5}, 400, "max_tokens", "invalid_type"),
     ({"prompt": "a", "max_tokens": -1}, 400, "max_tokens", "invalid_value"),
     ({"prompt": "a", "temperature": 3}, 400, "temperature", "invalid_value"),
+    ({"prompt": "a", "temperature": "hot"}, 400, "temperature", "invalid_type"),
     ({"prompt": "a", "temperature": True}, 400, "temperature", "invalid_type"),
-    ({"prompt": "a", "top_p": 0}, 400, "top_p", "invalid_value"),
+    ({"prompt": "a", "top_p": 1.5}, 400, "top_p", "invalid_value"),
+    ({"prompt": "a", "seed": 1 << 64}, 400, "seed", "invalid_value"),
+    ({"prompt": "a", "seed": -(1 << 63) - 1}, 400, "seed", "invalid_value"),
     ({"prompt": "a", "logprobs": 6}, 400, "logprobs", "invalid_value"),
     ({"prompt": "a", "stop": ["a", ""]}, 400, "stop", "invalid_value"),
     ({"prompt": "a", "n": 0}, 400, "n", "invalid_value"),
     ({"prompt": [[1, 2], [3, 10**6]]}, 400, "prompt", "invalid_value"),  # a token id outside the vocabulary
     ({"prompt": "日本"}, 400, "prompt", "invalid_value"),  # characters outside a character model's vocabulary
+    ('{"prompt": "\\ud800"}', 400, "prompt", "invalid_value"),  # a lone surrogate, escaped as JSON allows
     ({"prompt": "a", "model": "gpt-4"}, 404, "model", "model_not_found"),
-    ({"prompt": "a", "max_tokens": 10**6}, 429, "max_tokens", "limit_exceeded"),
-    ({"prompt": ["a", "b", "c"], "n": 3}, 429, "n", "limit_exceeded"),
+    ({"prompt": "a", "max_tokens": 10**6}, 400, "max_tokens", "limit_exceeded"),  # permanent limits: 400, not 429
+    ({"prompt": ["a", "b", "c"], "n": 3}, 400, "n", "limit_exceeded"),
     ({"prompt": "a", "presence_penalty": 1.0}, 400, "presence_penalty", "unsupported"),
     ({"prompt": "a" * (1 << 21)}, 413, None, "body_too_large"),
 ]
 
 
+def assert_serves(server):
+    """A real completion succeeds: the server still does its job (a health check alone proves nothing)."""
+    answer = client(server).completions.create(model=NAME, prompt="KING", max_tokens=3, temperature=0)
+    assert len(answer.choices[0].text) == 3 and answer.choices[0].finish_reason == "length"
+
+
+def post(server, path, body, **headers):
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, timeout=30,
+                      headers={"Content-Type": "application/json", **headers})
+
+
 @pytest.mark.parametrize("sent, status, param, code", BAD, ids=[str(i) for i in range(len(BAD))])
-def test_bad_requests_get_openais_error_object_and_a_4xx(server, sent, status, param, code):
-    body = sent if isinstance(sent, str) else json.dumps(sent)
-    r = httpx.post(f"{server.url}/v1/completions", content=body, timeout=30)
+def test_bad_requests_get_openais_error_object_and_a_4xx_and_the_next_request_completes(server, sent, status,
+                                                                                        param, code):
+    r = post(server, "/v1/completions", sent)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert (error["param"], error["code"]) == (param, code)
-    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"  # alive afterwards
+    assert_serves(server)
 
 
-def test_unknown_routes_methods_and_chat_messages_are_4xx_too(server):
+def test_unknown_routes_methods_chat_messages_and_other_media_types_are_4xx_too(server):
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     for method, path, body, status in (("GET", "/v2/nothing", None, 404), ("GET", "/v1/completions", None, 405),
                                        ("POST", "/v1/chat/completions", {"messages": "hi"}, 400),
                                        ("POST", "/v1/chat/completions", {"messages": [{"role": "bot"}]}, 400),
+                                       ("POST", "/v1/chat/completions", {"messages": image}, 400),
+                                       ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content":
+                                                                       "a" * 65}]}, 400),
                                        ("POST", "/detokenize", {"tokens": [-1]}, 400)):
         r = httpx.request(method, f"{server.url}{path}", json=body, timeout=30)
         assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert_serves(server)
+    # a form that a page on another site can post (text/plain needs no CORS preflight) starts nothing
+    running = []
+    server.engine.submit = lambda *a, **k: running.append(a)  # (an instance attribute: this test's only)
+    try:
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+            r = httpx.post(f"{server.url}{path}", timeout=30, content='{"prompt": "KING", "max_tokens": 5}',
+                           headers={"Content-Type": "text/plain"})
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    finally:
+        del server.engine.submit
+    assert running == []
+    assert_serves(server)
 
 
 def test_a_stream_that_hangs_up_frees_its_place_and_a_full_queue_is_429(ckpt_dir):
@@ -326,6 +387,7 @@ def test_a_stream_that_hangs_up_frees_its_place_and_a_full_queue_is_429(ckpt_dir
                 time.sleep(0.01)
             full = httpx.post(f"{small.url}/v1/completions", json=dict(prompt="a", max_tokens=3), timeout=30)
             assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+            assert full.headers["retry-after"] == "1"  # the one 429: it may succeed later
         # the client hung up: its place goes to the one waiting, which finishes (it could not, otherwise)
         waiting.join(timeout=30)
         assert not waiting.is_alive()
@@ -333,11 +395,165 @@ def test_a_stream_that_hangs_up_frees_its_place_and_a_full_queue_is_429(ckpt_dir
         assert after.status_code == 200 and small.engine.load == (0, 0)
 
 
-def test_an_api_key_is_required_when_set(ckpt_dir):
+def test_tiny_temperatures_and_top_p_0_sample_greedily(server):
+    """logits / 1e-40 overflows float32: without care the softmax is NaN and the last vocabulary id wins."""
+    greedy = client(server).completions.create(model=NAME, prompt="KING", max_tokens=12, temperature=0)
+    for settings in (dict(temperature=1e-40), dict(temperature=1e-30), dict(temperature=1.0, top_p=0)):
+        answer = client(server).completions.create(model=NAME, prompt="KING", max_tokens=12, seed=5, **settings)
+        assert answer.choices[0].text == greedy.choices[0].text, settings
+
+
+def test_chat_without_max_tokens_runs_to_the_context_and_takes_text_parts(server):
+    """OpenAI's chat has no 16-token default: a reply runs up to the context (block_size minus the prompt) unless
+    it stops; max_completion_tokens is honoured; content may be a list of text parts."""
+    messages = [{"role": "user", "content": "Who art thou?"}]
+    prompt_tokens = len("User: Who art thou?\nAssistant:")
+    answer = client(server).chat.completions.create(model=NAME, messages=messages, temperature=0)
+    assert answer.usage.prompt_tokens == prompt_tokens
+    assert answer.choices[0].finish_reason == "length"  # (this model does not write "\nUser:" greedily)
+    assert answer.usage.completion_tokens == 64 - prompt_tokens
+    capped = client(server).chat.completions.create(model=NAME, messages=messages, temperature=0,
+                                                    max_completion_tokens=5)
+    assert capped.usage.completion_tokens == 5
+    assert answer.choices[0].message.content.startswith(capped.choices[0].message.content)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Who art"}, {"type": "text", "text": "thou?"}]}]
+    joined = [{"role": "user", "content": "Who art\nthou?"}]
+    assert client(server).chat.completions.create(model=NAME, messages=parts, temperature=0, max_tokens=8).choices[
+        0].message.content == client(server).chat.completions.create(model=NAME, messages=joined, temperature=0,
+                                                                     max_tokens=8).choices[0].message.content
+
+
+def test_a_request_that_fails_in_the_model_fails_alone_while_a_stream_beside_it_completes(server, monkeypatch):
+    """An exception in the model's forward pass for one request (here: any pass that sees a poison character) ends
+    that request with a JSON error (500; streamed: an error event, then [DONE]) and nothing else: a greedy stream
+    running beside it gives the text it gives alone. The poison as a prompt of one token decodes in the batch of
+    the stream (the step is run again row by row); a longer prompt fails in its own prompt pass."""
+    alone = client(server).completions.create(model=NAME, prompt="KING", max_tokens=60, temperature=0).choices[0]
+    poison = next(c for c in "JMLHE?!;" if c not in alone.text)  # a character the stream never sees
+    z = server.tokenizer.encode(poison)[0]
+    model = server.engine.model
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda idx, *a, **k: (_ for _ in ()).throw(RuntimeError("poisoned"))
+                        if (idx == z).any() else forward(idx, *a, **k))
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      json=dict(prompt="KING", max_tokens=60, temperature=0, stream=True)) as r:
+        lines = r.iter_lines()
+        beside = [next(line for line in lines if line.startswith("data: {"))]
+        for prompt in (poison, f"the {poison} king"):
+            failed = httpx.post(f"{server.url}/v1/completions", json=dict(prompt=prompt, max_tokens=5), timeout=30)
+            assert failed.status_code == 500, failed.text
+            error = failed.json()["error"]
+            assert error["code"] == "generation_failed" and "poisoned" in error["message"]
+            with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
+                              json=dict(prompt=prompt, max_tokens=5, stream=True)) as streamed:
+                events = [line for line in streamed.iter_lines() if line]
+            assert events[-1] == "data: [DONE]" and "poisoned" in json.loads(events[-2][6:])["error"]["message"]
+        beside += [line for line in lines if line]
+    assert beside[-1] == "data: [DONE]"
+    assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in beside[:-1]) == alone.text
+    monkeypatch.undo()
+    assert server.engine.alive and server.engine.load == (0, 0)
+    assert_serves(server)
+
+
+def test_health_is_503_once_the_engine_cannot_serve_and_no_request_hangs(ckpt_dir, monkeypatch):
+    with serving(ckpt_dir) as broken:
+        assert httpx.get(f"{broken.url}/health", timeout=10).status_code == 200
+        monkeypatch.setattr(broken.engine, "_admit", lambda: 1 / 0)  # a fault outside any request: the thread dies
+        r = httpx.post(f"{broken.url}/v1/completions", json=dict(prompt="KING", max_tokens=5), timeout=30)
+        assert r.status_code == 500 and "ZeroDivisionError" in r.json()["error"]["message"]
+        broken.engine.thread.join(timeout=10)
+        health = httpx.get(f"{broken.url}/health", timeout=10)
+        assert health.status_code == 503 and "ZeroDivisionError" in health.json()["error"]
+        r = httpx.post(f"{broken.url}/v1/completions", json=dict(prompt="KING", max_tokens=5), timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+
+
+def test_a_request_whose_client_hangs_up_is_cancelled(ckpt_dir):
+    """A non-streaming request is ended when its client goes (the openai client's retries would otherwise run it
+    again beside itself), and a request cancelled while waiting is never run."""
+    with serving(ckpt_dir, "--max_tokens=1000000", "--max_batch=1") as small:
+        for _ in range(2):  # the second waits behind the first, then its client leaves too
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{small.url}/v1/completions", json=dict(prompt="KING", max_tokens=1000000), timeout=0.5)
+        deadline = time.time() + 10
+        while small.engine.load != (0, 0) and time.time() < deadline:
+            time.sleep(0.05)
+        assert small.engine.load == (0, 0)
+        assert_serves(small)
+
+
+def test_a_stream_whose_client_stops_reading_pauses_then_ends(ckpt_dir):
+    """A client that stops reading holds a bounded backlog (Generation.max_backlog events, then its row pauses)
+    and, after --stream_timeout seconds unread, is ended and frees its row; the others go on meanwhile."""
+    import socket
+
+    with serving(ckpt_dir, "--max_tokens=1000000", "--stream_timeout=1", send_buffer=4096) as small:
+        reader = socket.socket()
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: a small TCP window)
+        reader.connect(("127.0.0.1", int(small.url.rsplit(":", 1)[1])))
+        body = json.dumps(dict(prompt="KING", max_tokens=1000000, stream=True)).encode()
+        reader.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # ...and never reads
+        deadline = time.time() + 30
+        while not any(g.paused for g in small.engine.rows) and time.time() < deadline:
+            time.sleep(0.05)
+        paused = next(g for g in small.engine.rows if g.paused)
+        generated = paused.completion_tokens
+        assert_serves(small)  # beside it
+        while not paused.done and time.time() < deadline:
+            time.sleep(0.05)
+        assert paused.finish_reason == "abort" and paused.completion_tokens == generated  # nothing more while paused
+        assert len(paused.events) <= openai_api.STREAM_BACKLOG + 1  # (the last: the abort)
+        time.sleep(0.6)  # the next step frees its row
+        assert small.engine.load == (0, 0)
+        reader.close()
+        assert_serves(small)
+
+
+def test_300_concurrent_streams_each_end_in_done_or_429_and_the_server_serves_after(ckpt_dir):
+    import asyncio
+
+    async def one(http):
+        async with http.stream("POST", "/v1/completions", json=dict(prompt="KING", max_tokens=4, stream=True)) as r:
+            lines = [line async for line in r.aiter_lines() if line]
+            return r.status_code, lines
+
+    async def all_at_once(url):
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as http:
+            return await asyncio.gather(*[one(http) for _ in range(300)])
+
+    with serving(ckpt_dir) as busy:  # 32 running, 256 waiting: 12 of the 300 find the queue full
+        answers = asyncio.run(asyncio.wait_for(all_at_once(busy.url), 120))
+        assert {status for status, _ in answers} <= {200, 429}
+        assert sum(status == 429 for status, _ in answers) >= 1
+        for status, lines in answers:
+            if status == 200:
+                assert lines[-1] == "data: [DONE]"
+                assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+            else:
+                assert json.loads(lines[0])["error"]["code"] == "queue_full"
+        assert_serves(busy)
+
+
+def test_an_api_key_is_required_on_every_route_but_the_page_and_health(ckpt_dir):
+    routes = [("GET", "/v1/models", None), ("GET", "/tokenizer_info", None),
+              ("POST", "/v1/completions", {"prompt": "a", "max_tokens": 2}),
+              ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}),
+              ("POST", "/tokenize", {"prompt": "a"}), ("POST", "/detokenize", {"tokens": [1]})]
     with serving(ckpt_dir, "--api_key=s3cret") as guarded:
-        r = httpx.post(f"{guarded.url}/v1/completions", json={"prompt": "a"}, timeout=30)
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        assert httpx.get(f"{guarded.url}/health", timeout=30).status_code == 200  # (open: for load balancers)
+        for method, path, body in routes:
+            for authorization in (None, "Bearer wrong", "Bearer s3cre", "Bearer s3cret2", "Basic s3cret", "s3cret"):
+                headers = {"Authorization": authorization} if authorization else {}
+                r = httpx.request(method, f"{guarded.url}{path}", json=body, headers=headers, timeout=30)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, authorization)
+            for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme in any case (RFC 7235)
+                r = httpx.request(method, f"{guarded.url}{path}", json=body, timeout=30,
+                                  headers={"Authorization": f"{scheme} s3cret"})
+                assert r.status_code == 200, (path, scheme, r.text)
+        for path in ("/", "/health"):  # open: the page asks for the key itself; health is for load balancers
+            assert httpx.get(f"{guarded.url}{path}", timeout=30).status_code == 200
         answer = OpenAI(base_url=f"{guarded.url}/v1", api_key="s3cret", max_retries=0).completions.create(
             model=NAME, prompt="a", max_tokens=2)
         assert len(answer.choices[0].text) == 2
