@@ -122,6 +122,59 @@ def test_greedy_tokens_are_model_generates_cached_uncached_and_past_block_size(d
         assert run(runner, [engine.Request(prompt, max_tokens=30, temperature=0)]) == [expected]
 
 
+def test_prompts_encoded_in_chunks_give_the_uncached_tokens_and_scores():
+    """Chunked prefill: whatever the chunk (1 token, 3, more than the prompt), greedy decoding gives the uncached
+    model's tokens, and echo scores every prompt token as the model's plain forward does (across chunk ends)."""
+    model = small_model(block_size=32)
+    prompt = [(7 * i + 3) % 70 for i in range(20)]
+    expected = model.generate(torch.tensor([prompt]), 20, temperature=0, use_cache=False)[0, 20:].tolist()
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([prompt]), every_position=True)
+    scores = torch.log_softmax(logits[0], -1)
+    for chunk in (1, 3, 64):
+        runner = engine.Engine(engine.prepare(small_model(block_size=32), "cpu", "float32"), Tokens(70),
+                               prefill_chunk=chunk)
+        assert run(runner, [engine.Request(prompt, max_tokens=20, temperature=0)]) == [expected]
+        g = runner.submit(engine.Request(prompt, max_tokens=0, logprobs=1, echo=True))
+        while not g.done:
+            runner.step()
+        events = list(g)[:-1]
+        assert [e.id for e in events] == prompt and events[0].logprob is None
+        assert [e.logprob for e in events[1:]] == pytest.approx([scores[j - 1, prompt[j]].item()
+                                                                 for j in range(1, 20)], abs=1e-5)
+
+
+def test_a_long_prompt_joins_in_chunks_while_the_running_rows_get_a_token_at_every_step():
+    runner = engine.Engine(engine.prepare(small_model(block_size=64), "cpu", "float32"), Tokens(70),
+                           prefill_chunk=4)
+    running = [runner.submit(engine.Request([i + 1, 2], max_tokens=40, temperature=0)) for i in range(3)]
+    runner.step()
+    long = runner.submit(engine.Request(list(range(1, 31)), max_tokens=5, temperature=0))
+    for _ in range(8):  # 30 prompt tokens, 4 a step: 8 steps
+        before = [g.completion_tokens for g in running] + [long.length]
+        runner.step()
+        assert [g.completion_tokens for g in running] == [n + 1 for n in before[:3]]  # nobody waits for the prompt
+        assert 0 < long.length - before[3] <= 4
+    assert long.length == 30 and long.completion_tokens == 1  # its first token, sampled after its last chunk
+
+
+def test_a_request_cancelled_while_waiting_never_runs_and_slots_are_reused():
+    runner = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2)
+    seen = []
+    forward = runner.model.forward
+    runner.model.forward = lambda idx, *a, **k: seen.append(idx.tolist()) or forward(idx, *a, **k)
+    first = [runner.submit(engine.Request([1, 2, 3], max_tokens=3)) for _ in range(2)]
+    waiting = runner.submit(engine.Request([9, 9, 9, 9], max_tokens=3))
+    runner.step()
+    waiting.cancel()
+    while not all(g.done for g in first):
+        runner.step()
+    runner.step()
+    assert waiting.finish_reason == "abort" and waiting.slot is None and [9, 9, 9, 9] not in [r for b in seen for r in b]
+    assert sorted(runner.slots.free) == [0, 1] and runner.load == (0, 0)
+    assert run(runner, [engine.Request([4, 5], max_tokens=3) for _ in range(5)])  # 5 requests through 2 rows
+
+
 def test_stop_texts_stop_tokens_and_max_tokens_end_a_generation_with_its_reason():
     model = engine.prepare(small_model(), "cpu", "float32")
     runner = engine.Engine(model, Tokens(70))

@@ -52,6 +52,19 @@ def ckpt_dir(tmp_path_factory):
 
 
 
+@pytest.fixture(scope="module")
+def bpe_ckpt_dir(tmp_path_factory):
+    """out_dir/best.pt of a tiny random GPT-2 BPE model (GPT-2's padded vocabulary, block 32)."""
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=16))
+    out = tmp_path_factory.mktemp("serve-bpe") / "bpe"
+    out.mkdir()
+    state = checkpoint.training_state(model.state_dict(), model.config, TrainConfig(), DatasetMeta.gpt2(),
+                                      iter_num=0, best_val_loss=float("inf"))
+    checkpoint.save(state, str(out / checkpoint.BEST))
+    return out
+
+
 @contextlib.contextmanager
 def serving(ckpt_dir, *settings, send_buffer=None):
     """serve.py's server (its build() and app) on 127.0.0.1 at a free port, in a thread of this process.
@@ -248,39 +261,55 @@ def test_eight_concurrent_seeded_streams_each_equal_the_same_request_alone(serve
 # ---------------------------------------------------------------------- lm-evaluation-harness
 
 
-def test_lm_evaluation_harness_scores_every_choice_as_the_model_does(server, ckpt_dir, tmp_path):
-    """lm-evaluation-harness's own evaluator, as `lm_eval --model local-completions --model_args
-    model=NAME,base_url=.../v1/completions,tokenizer_backend=remote --include_path DIR --tasks tiny_mc` runs
-    it (in this process, its task index limited to the task given: the CLI first indexes its ~10,000 built-in
-    tasks, 7 s), on a local multiple-choice task: it tokenizes through /tokenize, scores through echo and
-    logprobs, and every log-likelihood it reports equals the model's own."""
+def test_lm_evaluation_harness_scores_every_choice_as_transformers_does_on_the_exported_model(server, ckpt_dir,
+                                                                                             tmp_path):
+    """lm-evaluation-harness's own evaluator, as the README's `lm_eval --model local-completions --model_args
+    model=NAME,base_url=.../v1/completions,tokenizer_backend=remote,max_length=64` runs it (in this process, its
+    task index limited to the task given: the CLI first indexes its ~10,000 built-in tasks, 7 s), on a local
+    multiple-choice task whose contexts are longer than the model's: it tokenizes through /tokenize, cuts each
+    context+choice to what max_length (the server's max_model_len) allows, scores through echo and logprobs, and
+    every log-likelihood it reports equals transformers' on the model export.py writes, for the same tokens."""
     import lm_eval
     from lm_eval.tasks import TaskManager
+    from transformers import GPT2LMHeadModel
 
+    import export
+
+    long = make_corpus()[:90].replace("\n", " ")
     docs = [{"question": "ROMEO: the king", "choices": ["is good", "was bad", "sleeps"], "answer": 0},
-            {"question": "JULIET: my lord", "choices": ["speak", "love thee", "go"], "answer": 1}]
+            {"question": long, "choices": ["speak", "love thee", "go"], "answer": 1}]  # > 64 tokens with any choice
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (tmp_path / "tiny_mc.yaml").write_text(
         f"task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'data.jsonl'}\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
         "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    max_length = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
     results = lm_eval.simple_evaluate(
         model="local-completions", tasks=["tiny_mc"], log_samples=True,
-        model_args=f"model={NAME},base_url={server.url}/v1/completions,tokenizer_backend=remote",
+        model_args=f"model={NAME},base_url={server.url}/v1/completions,tokenizer_backend=remote,"
+                   f"max_length={max_length}",
         task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
     samples = results["samples"]["tiny_mc"]
     assert len(samples) == 2
+    run_in_process(export.main, f"--out_dir={ckpt_dir}", str(tmp_path / "hf"), check=True)
+    reference = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     encode = server.tokenizer.encode
     for sample_ in samples:
         doc = docs[sample_["doc_id"]]
         for choice, (loglikelihood, greedy) in zip(doc["choices"], sample_["filtered_resps"]):
-            context, whole = encode(doc["question"]), encode(doc["question"] + " " + choice)
-            expected = reference_logprobs(ckpt_dir, whole)
-            ours = sum(expected[j - 1, whole[j]].item() for j in range(len(context), len(whole)))
-            assert float(loglikelihood) == pytest.approx(ours, abs=TOL * len(whole))
-            is_greedy = all(expected[j - 1].argmax().item() == whole[j] for j in range(len(context), len(whole)))
+            continuation = encode(" " + choice)
+            # what the harness sends: context + choice cut on the left to max_length - 1 tokens (one more is
+            # always generated); the first of them is not scored
+            tokens = (encode(doc["question"]) + continuation)[-(max_length - 1):]
+            with torch.no_grad():
+                logprobs = F.log_softmax(reference(torch.tensor([tokens])).logits[0].double(), dim=-1)
+            scored = range(len(tokens) - len(continuation), len(tokens))
+            expected = sum(logprobs[j - 1, tokens[j]].item() for j in scored)
+            assert float(loglikelihood) == pytest.approx(expected, abs=TOL * len(tokens))
+            is_greedy = all(logprobs[j - 1].argmax().item() == tokens[j] for j in scored)
             assert (greedy in (True, "True")) == is_greedy
+    assert len(encode(docs[1]["question"] + " go")) > max_length  # the harness did cut it
     assert results["results"]["tiny_mc"]["acc,none"] in (0.0, 0.5, 1.0)
 
 
@@ -393,6 +422,21 @@ def test_a_stream_that_hangs_up_frees_its_place_and_a_full_queue_is_429(ckpt_dir
         assert not waiting.is_alive()
         after = httpx.post(f"{small.url}/v1/completions", json=dict(prompt="b", max_tokens=3), timeout=30)
         assert after.status_code == 200 and small.engine.load == (0, 0)
+
+
+def test_an_empty_prompt_starts_from_end_of_text_as_gpt2s_unconditional_samples(bpe_ckpt_dir):
+    model = checkpoint.load(str(bpe_ckpt_dir / checkpoint.BEST)).build_model().eval()
+    eot = 50256
+    expected = model.generate(torch.tensor([[eot]]), 6, temperature=0, vocab_size=50257)[0, 1:].tolist()
+    with serving(bpe_ckpt_dir) as bpe:
+        for prompt in ("", [[]], [eot]):
+            answer = client(bpe).completions.create(model="bpe", prompt=prompt, max_tokens=6, temperature=0)
+            assert bpe.tokenizer.encode(answer.choices[0].text) == expected and answer.usage.prompt_tokens == 1
+        both = client(bpe).completions.create(model="bpe", prompt=["a", ""], max_tokens=6, temperature=0)
+        assert bpe.tokenizer.encode(both.choices[1].text) == expected
+        chat = client(bpe).chat.completions.create(model="bpe", messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=3)
+        assert chat.usage.completion_tokens == 3
 
 
 def test_tiny_temperatures_and_top_p_0_sample_greedily(server):
@@ -634,6 +678,17 @@ def test_the_web_page_streams_the_text_and_stop_stops_it(server, browser):
     stopped = output(browser)
     time.sleep(0.3)
     assert output(browser) == stopped and browser.find_element(By.ID, "send").is_enabled()
+    # an empty box: a character model has no <|endoftext|> to start from; the page says so, and works on
+    prompt.clear()
+    browser.find_element(By.ID, "send").click()
+    wait.until(lambda b: "prompt is empty" in b.find_element(By.ID, "status").text, "the server's message")
+    assert browser.find_element(By.ID, "status").text.startswith("error 400")
+    prompt.send_keys("KING")
+    browser.find_element(By.ID, "max_tokens").clear()
+    browser.find_element(By.ID, "max_tokens").send_keys("5")
+    browser.find_element(By.ID, "send").click()
+    wait.until(lambda b: b.find_element(By.ID, "status").text == "done (length)", "a completion after it")
+    assert len(output(browser)) == len("KING") + 5
 
 
 def test_bench_serve_clients_stream_what_the_server_generates(server):
