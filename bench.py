@@ -26,6 +26,9 @@ is written first; it and the shards go to a temporary directory ($TMPDIR). See m
 
     python bench.py --mode=prepare [--input=PATH] [--corpus_mb=500] [--num_proc=N]
 
+mode=faults: serve.py against a long prompt among running streams, clients that stop reading, clients that
+hang up (machinery/bench_faults.py).
+
 mode=serve: serve.py under load (streaming clients at once: tokens/s, time to the first token, gaps between
 tokens; seeded requests at once against one at a time) and batch-1 decoding of the generation engine against
 transformers' generate, on a random model of GPT-2's architecture. See machinery/bench_serve.py.
@@ -51,6 +54,7 @@ import numpy as np
 import torch
 
 from machinery import configurator, dataset, meta
+from machinery.bench_faults import bench_faults
 from machinery.bench_prepare import bench_prepare
 from machinery.bench_serve import bench_serve
 from machinery.configurator import setting
@@ -63,8 +67,9 @@ from train import TrainConfig, Trainer
 @dataclass
 class BenchConfig(TrainConfig):
     mode: str = setting("sample", "sample (generation with and without the KV cache), train (one training step), "
-                               "speedrun (whole train.py runs), prepare (corpus preparation) or serve (serve.py "
-                               "under load; batch-1 decoding against transformers)")
+                               "speedrun (whole train.py runs), prepare (corpus preparation), serve (serve.py "
+                               "under load; batch-1 decoding against transformers) or faults (serve.py against "
+                               "long prompts, clients that stop reading or hang up)")
     warmup: int = setting(1, "unmeasured runs (sample) or iterations (train) before the measured ones (compilation, "
                              "caches)")
     repeats: int = setting(3, "measured runs or iterations; the median is reported")
@@ -87,8 +92,8 @@ class BenchConfig(TrainConfig):
 
     def validate(self):
         super().validate()
-        if self.mode not in ("sample", "train", "speedrun", "prepare", "serve"):
-            raise UserError(f"mode must be sample, train, speedrun, prepare or serve, got {self.mode!r}")
+        if self.mode not in ("sample", "train", "speedrun", "prepare", "serve", "faults"):
+            raise UserError(f"mode must be sample, train, speedrun, prepare, serve or faults, got {self.mode!r}")
         if not all(c.strip().isdigit() and int(c) > 0 for c in self.clients.split(",")):
             raise UserError(f"clients must be positive numbers separated by commas, got {self.clients!r}")
         if self.recipe not in NANOGPT_RECIPES:
@@ -247,13 +252,13 @@ def bench_speedrun(cfg, workdir):
 
 def main(argv=None):
     cfg = configurator.parse(BenchConfig, argv, usage="python bench.py [config/FILE.py ...] [--key=value ...] "
-                                                      "--mode=sample|train|speedrun|prepare|serve")
+                                                      "--mode=sample|train|speedrun|prepare|serve|faults")
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         return {"sample": bench_sample, "train": bench_train, "speedrun": bench_speedrun,
-                "prepare": bench_prepare, "serve": bench_serve}[cfg.mode](cfg, workdir)
+                "prepare": bench_prepare, "serve": bench_serve, "faults": bench_faults}[cfg.mode](cfg, workdir)
 
 
 if __name__ == "__main__":

@@ -134,9 +134,10 @@ async def load(url, requests, tokens):
             [gap for r in results for gap in r[2]])
 
 
-def start_server(hf_dir, dtype, port):
+def start_server(hf_dir, dtype, port, *settings):
+    """serve.py on hf_dir in a process of its own (settings: more of its --key=value), once it listens."""
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), f"--init_from={hf_dir}",
-                             f"--dtype={dtype}", f"--port={port}", "--max_batch=64", "--device=cpu"],
+                             f"--dtype={dtype}", f"--port={port}", "--max_batch=64", "--device=cpu", *settings],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     for line in proc.stdout:  # (a warning may come first, e.g. about an emulated dtype)
