@@ -117,16 +117,18 @@ class Head(nn.Module):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, mask=None):
         if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
             # PyTorch's CPU attention kernels are several times slower in bfloat16 (and 2x in float16) than in
             # float32 (BENCHMARKS.md), so attend in float32, with autocast off (it would cast back)
             with torch.autocast("cpu", enabled=False):
-                return self(q.float(), k.float(), v.float()).to(q.dtype)
+                return self(q.float(), k.float(), v.float(), mask).to(q.dtype)
         # q holds the newest Tq positions, k and v all Tk positions seen so far
         # (Tk > Tq only when decoding with a KV cache).
         Tq, Tk = q.size(-2), k.size(-2)
         dropout_p = self.dropout if self.training else 0.0
+        if mask is not None:  # (B, 1, Tq, Tk): which positions each query sees (a cache of fixed size)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         if Tq == 1:
             # one new token may look at every position so far (checked first, so that a compiled
             # model decodes with one graph whatever the number of cached positions)
@@ -410,11 +412,11 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
     return logits
 
 
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None, u=None):
     """One token per row of logits (B, V): argmax when temperature is 0, else a draw from the softmax of the
-    filtered logits. The draw is one uniform number per row, looked up in the cumulative probabilities
-    (inverse transform sampling): torch.multinomial draws an exponential number for every token of the
-    vocabulary instead, about 1.4 ms per row for GPT-2's 50257 tokens on a CPU, as long as a decoding step."""
+    filtered logits. The draw is one uniform number per row (u, (B, 1); drawn from generator when not given),
+    looked up in the cumulative probabilities (inverse transform sampling: torch.multinomial would draw a
+    number for every token of the vocabulary instead, as slow as a decoding step; BENCHMARKS.md)."""
     if temperature < torch.finfo(torch.float32).tiny:  # 0, or so small that float32 would take it for 0: greedy
         return logits.argmax(dim=-1)
     # each row's largest logit subtracted first (the softmax is the same): then no temperature, however small,
@@ -422,7 +424,9 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
     logits = logits.float()
     probs = F.softmax(filter_logits(logits - logits.amax(dim=-1, keepdim=True), temperature, top_k, top_p), dim=-1)
     cdf = probs.cumsum(dim=-1)
-    u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device) * cdf[:, -1:]
+    if u is None:
+        u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device)
+    u = u * cdf[:, -1:]
     # the first token whose cumulative probability exceeds u (right: never a token of probability 0)
     return torch.searchsorted(cdf, u, right=True).clamp(max=probs.size(-1) - 1).squeeze(-1)
 

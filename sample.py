@@ -90,7 +90,8 @@ def main(argv=None):
         ids = ids[-block_size:]
     if cfg.stop is not None:
         encode(tokenizer, cfg.stop, "--stop")  # text the model cannot produce would never stop a sample
-    runner = engine.Engine(model, tokenizer, loaded.device, max_batch=cfg.num_samples, use_cache=cfg.use_cache)
+    runner = engine.Engine(model, tokenizer, loaded.device, max_batch=cfg.num_samples, use_cache=cfg.use_cache,
+                           compile=cfg.compile)
     print_samples(cfg, runner, tokenizer, prompt, ids)
 
 

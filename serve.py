@@ -65,7 +65,7 @@ def build(cfg):
     loaded = loading.load_run(cfg)
     model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile)
     runner = engine.Engine(model, loaded.tokenizer, loaded.device, cfg.max_batch, cfg.max_waiting,
-                           prefill_chunk=cfg.prefill_chunk, stall_timeout=cfg.stream_timeout)
+                           prefill_chunk=cfg.prefill_chunk, stall_timeout=cfg.stream_timeout, compile=cfg.compile)
     limits = openai_api.Limits(cfg.max_tokens, cfg.max_n, cfg.max_body)
     return openai_api.Server(runner, loaded.tokenizer, cfg.served_name, limits, cfg.api_key), loaded
 

@@ -9,11 +9,11 @@ a waiting prompt (chunked prefill: a long prompt delays the running rows by one 
 whole length). A Generation is a request's handle: its tokens arrive there as Token events, as they are
 sampled, with the text they complete.
 
-A request's tokens do not depend on what else runs, because every row is computed as if it were alone:
-its prompt is encoded alone, in chunks of a fixed size; a step's attention runs row by row over exactly the
-row's own positions (Rows); on the CPU the matrix products run as oneDNN's prepacked linear (PackedLinear),
-whose result for one row does not depend on the number of rows (PyTorch's default float32 kernel picks
-another algorithm for 1, 2-3 and 4 or more rows); and each row samples with its own generator.
+A request's tokens do not depend on what else runs, because every row is computed as if it were alone: its
+prompt is encoded alone, in chunks of a fixed size; its sampling draws from its own generator; and a step
+either (on the CPU) attends row by row over exactly each row's positions with oneDNN's prepacked matrix
+products (PackedLinear), whose result for one row does not depend on the number of rows, or (on CUDA: fixed)
+runs every row of the cache in shapes that never change, as one CUDA graph (machinery/decode.py).
 
 A request that fails (an exception in its forward pass or its sampling) ends alone, with finish_reason
 "error": the rows of a failed step are run again one by one, and only those that fail alone end. An
@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from machinery import hardware
+from machinery import decode, hardware
 from machinery.errors import first_line
 from model import sample_next
 
@@ -229,12 +229,11 @@ class PackedLinear(nn.Module):
 
 def prepare(model, device, dtype, compile=False):
     """The model ready to decode on device in dtype ("float32", "bfloat16", "float16"): in eval mode, its
-    weights in dtype, and on the CPU its linear layers prepacked where that is faster (can_pack). compile:
-    torch.compile it in place instead (inductor chooses its own kernels, and packs weights itself; whether a
-    row's result then depends on the others is up to them)."""
+    weights in dtype, and on the CPU its linear layers prepacked where that is faster (can_pack). compile: the
+    engine will compile it (Engine(compile=True)), so nothing is prepacked: inductor packs weights itself
+    (whether a row's result then depends on the others is up to its kernels)."""
     model = model.eval().to(device=device, dtype=hardware.DTYPES[dtype])
     if compile:
-        model.compile(dynamic=True)  # in place: the engine's calls to the model run compiled
         return model
     if torch.device(device).type == "cpu" and can_pack(dtype):
         for module in list(model.modules()):
@@ -255,60 +254,26 @@ def can_pack(dtype):
     return dtype == "float32" or hardware.cpu_native("bfloat16") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-class Slots:
-    """The engine's KV cache: the keys and values of every layer for max_batch rows of block_size positions.
-    Each running request holds one row (a slot) from its first token to its last, then the next one reuses it:
-    the memory of the cache is that of max_batch rows, whatever the number of requests."""
-
-    def __init__(self, config, rows, dtype, device):
-        # one spare position, as KVCache (model.py): a compiled model then never sees a slice of the whole buffer;
-        # empty, not zeros: a row only ever reads the positions it wrote (allocated pages are touched as used)
-        shape = (rows, config.n_head, config.block_size + 1, config.n_embd // config.n_head)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.free = list(range(rows))[::-1]
-
-
-class Rows:
-    """The kv_cache of one forward pass: T new tokens for each of some slots, each after its own length.
-    Attention runs row by row over exactly the row's positions (PyTorch's batched attention kernels round a row
-    differently depending on the other rows, and a request's tokens must not depend on what else runs)."""
-
-    def __init__(self, slots, rows):
-        self.slots, self.rows = slots, rows  # [(slot, length)]
-
-    def positions(self, T, device):
-        """The positions of T new tokens: (B, T), each row's own."""
-        return torch.tensor([[length + t for t in range(T)] for _, length in self.rows], device=device)
-
-    def attend(self, layer, q, k, v, heads):
-        """Store each row's k, v (B, nh, T, hs) in its slot; the heads' attention of each row over its positions."""
-        keys, values, T = self.slots.k[layer], self.slots.v[layer], q.size(2)
-        out = []
-        for i, (slot, length) in enumerate(self.rows):
-            keys[slot, :, length:length + T] = k[i]
-            values[slot, :, length:length + T] = v[i]
-            out.append(heads(q[i:i + 1], keys[slot:slot + 1, :, :length + T], values[slot:slot + 1, :, :length + T]))
-        return torch.cat(out)
-
-    def advance(self, T):
-        pass  # the engine keeps each row's length
-
-
 class Engine:
     """Continuous batching over one model (see the module's docstring). submit() from any thread; step() runs
     one step (sample.py calls it in a loop); start() runs steps in a thread of its own while there is work
     (serve.py). max_batch: running rows at most (the KV cache's rows); max_waiting: requests waiting to join, at
     most; prefill_chunk: prompt tokens encoded in one pass, at most; stall_timeout: seconds a paused
     generation (see Generation) may wait for its reader; use_cache=False encodes each row's whole window again
-    for every token, as nanoGPT does (the same tokens, slower)."""
+    for every token, as nanoGPT does (the same tokens, slower); fixed: decode every row of the cache at every
+    step, in shapes that never change (machinery/decode.py; None: on CUDA, where it runs as a CUDA graph);
+    compile: torch.compile the fixed step (static shapes: one graph), else the model in place (dynamic shapes)."""
 
     def __init__(self, model, tokenizer, device="cpu", max_batch=32, max_waiting=256, use_cache=True,
-                 prefill_chunk=64, stall_timeout=60.0):
+                 prefill_chunk=64, stall_timeout=60.0, fixed=None, compile=False):
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.vocab = tokenizer.vocab_size  # the tokenizer's ids: a padded vocabulary's extra rows are never drawn
         self.block_size = model.config.block_size
-        self.slots = Slots(model.config, max_batch, model.cache_dtype(self.device), self.device)
+        self.fixed = self.device.type == "cuda" if fixed is None else fixed
+        self.slots = decode.Slots(model.config, max_batch, model.cache_dtype(self.device), self.device, self.fixed)
+        self.fixed_step = decode.FixedStep(model, self.slots, compile) if self.fixed else None
+        if compile and not self.fixed:
+            model.compile(dynamic=True)  # in place: the engine's calls to the model run compiled
         self.max_batch, self.max_waiting, self.use_cache = max_batch, max_waiting, use_cache
         self.prefill_chunk, self.stall_timeout = prefill_chunk, stall_timeout
         self.waiting, self.rows = collections.deque(), []
@@ -400,11 +365,12 @@ class Engine:
         of the waiting prompts (one chunk while rows are decoding, one for each prompt when none is)."""
         ready = [g for g in self._admit() if not g.done and not g.paused]
         decoding = [g for g in ready if len(g.todo) == 1]
-        if decoding:
-            self._feed(decoding, 1)
-        prompts = [g for g in ready if len(g.todo) > 1 and not g.done]
-        for g in prompts[:1] if decoding else prompts:
-            self._feed([g], min(len(g.todo), self.prefill_chunk))
+        with decode.attention_backends(self.device):
+            if decoding:
+                self._feed(decoding, 1)
+            prompts = [g for g in ready if len(g.todo) > 1 and not g.done]
+            for g in prompts[:1] if decoding else prompts:
+                self._feed([g], min(len(g.todo), self.prefill_chunk))
 
     def _admit(self):
         """Drop the rows that ended (their slots are free again), end cancelled and stalled ones, and let waiting
@@ -450,34 +416,46 @@ class Engine:
             for g in rows:
                 self._feed([g], n)
             return
+        sampling = []
         for g, row in zip(rows, logits):
             try:
-                self._took(g, n, row)
+                if self._took(g, n, row):
+                    sampling.append(g)
             except Exception as e:
                 self._fail(g, e)
+        self._sample(sampling, logits[[rows.index(g) for g in sampling], -1])
 
     def _forward(self, rows, n):
         """The model's float32 logits (B, n or 1, vocab) for the next n tokens of each row (every position's when
-        the row's prompt is echoed)."""
-        idx = torch.tensor([g.todo[:n] for g in rows], device=self.device)
-        every = any(g.request.echo and g.echoed < g.prompt_tokens for g in rows)
-        logits, _ = self.model(idx, kv_cache=Rows(self.slots, [(g.slot, g.length) for g in rows]),
-                               every_position=every)
+        the row's prompt is echoed); one token per row decodes in a fixed step where the engine has one (the
+        rows taken out of its logits)."""
+        if self.fixed and n == 1:
+            idx, pos = torch.zeros(self.slots.rows, 1, dtype=torch.long), torch.zeros(self.slots.rows, dtype=torch.long)
+            for g in self.rows:  # (a row not decoding writes at its next position, which it writes again later)
+                pos[g.slot] = min(g.length, self.slots.length - 1)
+            for g in rows:
+                idx[g.slot, 0] = g.todo[0]
+            logits = self.fixed_step(idx, pos)[[g.slot for g in rows]]
+        else:
+            idx = torch.tensor([g.todo[:n] for g in rows], device=self.device)
+            every = any(g.request.echo and g.echoed < g.prompt_tokens for g in rows)
+            logits, _ = self.model(idx, kv_cache=decode.Rows(self.slots, [(g.slot, g.length) for g in rows]),
+                                   every_position=every)
         return logits[:, :, :self.vocab].float()
 
     def _took(self, g, n, logits):
-        """Book n tokens fed to g with their logits (n or 1, V): echo the prompt's, sample after the last."""
+        """Book n tokens fed to g with their logits (n or 1, V): echo the prompt's; whether g samples next."""
         start = g.length
         g.length += n
         del g.todo[:n]
         if g.request.echo and g.echoed < g.prompt_tokens:
             self._echo(g, start, logits)
         if g.todo:
-            return  # more of the prompt (or window) to encode first
+            return False  # more of the prompt (or window) to encode first
         if g.request.max_tokens == 0:
             self._finish(g, "length")
-            return
-        self._sample(g, logits[-1])
+            return False
+        return True
 
     def _echo(self, g, start, logits):
         """The prompt's tokens predicted by positions start.. as Token events: each one's log-probability given
@@ -488,22 +466,36 @@ class Engine:
             token = g.ids[g.echoed]
             event = Token(token, self.tokenizer.decode([token]), prompt=True)
             if logprobs is not None:
-                event.logprob, event.top = self._scores(logprobs[g.echoed - 1 - start], token, k)
+                event.logprob, event.top = scores(logprobs[g.echoed - 1 - start], token, k)
             g.emit(event)
             g.echoed += 1
 
-    def _scores(self, logprobs, token, k):
-        top = torch.topk(logprobs, k) if k else None
-        alternatives = list(zip(top.indices.tolist(), top.values.tolist())) if k else []
-        return logprobs[token].item(), alternatives
+    def _sample(self, rows, logits):
+        """Draw the next token of each row from its logits (B, V) on the device (rows with the same settings
+        together, each with its own generator), then emit them; a failure ends only the rows that fail alone."""
+        if not rows:
+            return
+        try:
+            tokens = draw(rows, logits).tolist()  # the one synchronisation of the step
+        except Exception as e:
+            if len(rows) == 1:
+                self._fail(rows[0], e)
+                return
+            for i, g in enumerate(rows):
+                self._sample([g], logits[i:i + 1])
+            return
+        for g, token, row in zip(rows, tokens, logits):
+            try:
+                self._emit(g, token, row)
+            except Exception as e:
+                self._fail(g, e)
 
-    def _sample(self, g, logits):
-        """Draw the next token of g from its logits (V,) and emit it; end g when it is done."""
+    def _emit(self, g, token, logits):
+        """Take g's new token: its event (with its log-probabilities when asked), and the end of g when done."""
         request = g.request
-        token = sample_next(logits[None], request.temperature, request.top_k, request.top_p, g.generator).item()
         event = Token(token, g.text.add(token))
         if request.logprobs is not None:
-            event.logprob, event.top = self._scores(F.log_softmax(logits, dim=-1), token, request.logprobs)
+            event.logprob, event.top = scores(F.log_softmax(logits, dim=-1), token, request.logprobs)
         g.completion_tokens += 1
         g.ids.append(token)
         g.todo = [token]
@@ -524,6 +516,30 @@ class Engine:
     def _finish(self, g, reason, error=None):
         if not g.done:
             g.emit(Token(None, g.text.finish(), finish_reason=reason, error=error))
+
+
+def draw(rows, logits):
+    """The next token of each row (a Generation) from its logits (B, V): the rows with the same settings drawn
+    together (model.sample_next), each with a uniform number from its own generator, so that a row draws what
+    it would draw alone."""
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    groups = collections.defaultdict(list)
+    for i, g in enumerate(rows):
+        groups[(g.request.temperature, g.request.top_k, g.request.top_p)].append(i)
+    for (temperature, top_k, top_p), members in groups.items():
+        u = None
+        if temperature >= torch.finfo(torch.float32).tiny:  # (sample_next's greedy draws nothing)
+            u = torch.cat([torch.rand(1, 1, generator=rows[i].generator, device=logits.device) for i in members])
+        index = torch.tensor(members, device=logits.device)
+        tokens[index] = sample_next(logits[index], temperature, top_k, top_p, u=u)
+    return tokens
+
+
+def scores(logprobs, token, k):
+    """A token's log-probability (from logprobs (V,)) and the k most likely tokens with theirs."""
+    top = torch.topk(logprobs, k) if k else None
+    alternatives = list(zip(top.indices.tolist(), top.values.tolist())) if k else []
+    return logprobs[token].item(), alternatives
 
 
 def describe(e):

@@ -175,6 +175,55 @@ def test_a_request_cancelled_while_waiting_never_runs_and_slots_are_reused():
     assert run(runner, [engine.Request([4, 5], max_tokens=3) for _ in range(5)])  # 5 requests through 2 rows
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fixed_shape_decoding_gives_the_uncached_tokens_and_each_requests_own(dtype):
+    """The fixed step (CUDA's way, run here on the CPU): every row of the cache decodes at every step, attending
+    over the whole cache through a mask. Greedy tokens are the uncached model's, past block_size too; seeded
+    requests of different lengths give together what each gives alone (the shapes never change)."""
+    prompt = [1, 5, 9, 2, 7]
+    model = small_model(block_size=16).to(getattr(torch, dtype))
+    expected = model.generate(torch.tensor([prompt]), 30, temperature=0, use_cache=False)[0, 5:].tolist()
+    runner = engine.Engine(engine.prepare(small_model(block_size=16), "cpu", dtype), Tokens(70), max_batch=8,
+                           fixed=True)
+    assert runner.slots.length % 64 == 0 and runner.fixed_step is not None
+    assert run(runner, [engine.Request(prompt, max_tokens=30, temperature=0)]) == [expected]
+    g = torch.Generator().manual_seed(1)
+    requests = [engine.Request(torch.randint(0, 70, (1 + 2 * i,), generator=g).tolist(), max_tokens=20,
+                               temperature=1.0, seed=i) for i in range(8)]
+    together = run(runner, requests)
+    assert [run(runner, [r])[0] for r in requests] == together and len({tuple(t) for t in together}) == 8
+
+
+def test_a_compiled_fixed_step_is_one_graph_whatever_the_lengths(monkeypatch):
+    """compile=True in a fixed engine compiles its decoding step alone: dynamo compiles it once and never again,
+    whatever the number of tokens, the rows running or the prompt lengths (prompts are encoded eagerly; the
+    "eager" backend keeps the test quick: dynamo decides what to recompile whatever the backend), and the tokens
+    are the eager engine's."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    rounds = [[[1, 2, 3]], [[4, 5], [6, 7, 8, 9, 10, 11], [12]]]  # the second: other lengths, more rows, longer
+    eager = engine.Engine(engine.prepare(small_model(block_size=16), "cpu", "float32"), Tokens(70), max_batch=4,
+                          fixed=True)
+    expected = [run(eager, [engine.Request(p, max_tokens=10 + 15 * r, temperature=0) for p in prompts])
+                for r, prompts in enumerate(rounds)]
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+        model = engine.prepare(small_model(block_size=16), "cpu", "float32", compile=True)
+        runner = engine.Engine(model, Tokens(70), max_batch=4, fixed=True, compile=True)
+        graphs = []
+        for r, prompts in enumerate(rounds):
+            assert run(runner, [engine.Request(p, max_tokens=10 + 15 * r, temperature=0) for p in prompts]) == \
+                expected[r]
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert graphs == [1, 1], graphs
+    finally:
+        torch._dynamo.reset()
+
+
 def test_stop_texts_stop_tokens_and_max_tokens_end_a_generation_with_its_reason():
     model = engine.prepare(small_model(), "cpu", "float32")
     runner = engine.Engine(model, Tokens(70))

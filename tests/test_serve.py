@@ -66,7 +66,7 @@ def bpe_ckpt_dir(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(ckpt_dir, *settings, send_buffer=None):
+def serving(ckpt_dir, *settings, send_buffer=None, device="cpu"):
     """serve.py's server (its build() and app) on 127.0.0.1 at a free port, in a thread of this process.
     send_buffer: the bytes of each connection's kernel send buffer (set on the listening socket, which its
     connections inherit), so that a client that does not read blocks the server's writes sooner."""
@@ -78,7 +78,7 @@ def serving(ckpt_dir, *settings, send_buffer=None):
     if send_buffer is not None:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     listener.bind(("127.0.0.1", port))
-    cfg = configurator.parse(serve.ServeConfig, [f"--out_dir={ckpt_dir}", "--device=cpu", "--dtype=float32",
+    cfg = configurator.parse(serve.ServeConfig, [f"--out_dir={ckpt_dir}", f"--device={device}", "--dtype=float32",
                                                  f"--port={port}", *settings])
     cfg.validate()
     server, _ = serve.build(cfg)

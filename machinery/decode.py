@@ -1,0 +1,148 @@
+"""
+The engine's decoding step: its KV cache (a row, a slot, for each running request) and the two ways a step
+runs the model over it.
+
+- Rows: the rows that have tokens to feed, each attending over exactly its own positions (one attention
+  call a row). The shapes change at every step. The CPU's way, and every prompt's (in chunks).
+- Fixed: every row of the cache at once, one token each, each attending over the whole cache through a mask
+  of its own positions. The shapes never change, so on CUDA the step runs as one captured graph (Graph:
+  a launch per step instead of hundreds), and a row's rounding never depends on the others: the same
+  kernels run whatever the load. CUDA's way (engine.Engine's `fixed`).
+"""
+
+import sys
+
+import torch
+
+FIXED_ALIGN = 64  # a fixed cache's positions are a multiple of this (aligned for the attention kernels)
+
+
+class Slots:
+    """The keys and values of every layer for `rows` requests of up to block_size positions each (and one spare:
+    a compiled model then never sees a slice of the whole buffer). A running request holds one row from its
+    first token to its last; the next request reuses it, so the cache's memory is that of `rows` rows
+    whatever the number of requests. fixed: rounded up to FIXED_ALIGN positions and zeroed, since a fixed step
+    reads every position (masked: but 0 x NaN would still be NaN); else empty, as a row only reads what it
+    wrote."""
+
+    def __init__(self, config, rows, dtype, device, fixed=False):
+        length = config.block_size + 1
+        if fixed:
+            length = -(-length // FIXED_ALIGN) * FIXED_ALIGN
+        shape = (rows, config.n_head, length, config.n_embd // config.n_head)
+        alloc = torch.zeros if fixed else torch.empty
+        self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.rows, self.length, self.device = rows, length, torch.device(device)
+        self.free = list(range(rows))[::-1]
+
+
+class Rows:
+    """The kv_cache of a pass over some rows: T new tokens for each of some slots, each after its own length.
+    Attention runs row by row over exactly the row's positions (PyTorch's batched attention kernels round a
+    row differently depending on the other rows, and a request's tokens must not depend on what else runs)."""
+
+    def __init__(self, slots, rows):
+        self.slots, self.rows = slots, rows  # [(slot, length)]
+
+    def positions(self, T, device):
+        """The positions of T new tokens: (B, T), each row's own."""
+        return torch.tensor([[length + t for t in range(T)] for _, length in self.rows], device=device)
+
+    def attend(self, layer, q, k, v, heads):
+        """Store each row's k, v (B, nh, T, hs) in its slot; the heads' attention of each row over its positions."""
+        keys, values, T = self.slots.k[layer], self.slots.v[layer], q.size(2)
+        out = []
+        for i, (slot, length) in enumerate(self.rows):
+            keys[slot, :, length:length + T] = k[i]
+            values[slot, :, length:length + T] = v[i]
+            out.append(heads(q[i:i + 1], keys[slot:slot + 1, :, :length + T], values[slot:slot + 1, :, :length + T]))
+        return torch.cat(out)
+
+    def advance(self, T):
+        pass  # the engine keeps each row's length
+
+
+class Fixed:
+    """The kv_cache of a fixed-shape step: one token for every row of the cache, at positions `pos` (rows,),
+    a tensor on the device that each step fills in (so that one captured graph serves every step)."""
+
+    def __init__(self, slots):
+        self.slots = slots
+        self.pos = torch.zeros(slots.rows, dtype=torch.long, device=slots.device)
+        self.index = torch.arange(slots.rows, device=slots.device)
+        self.span = torch.arange(slots.length, device=slots.device)
+        self.mask = None
+
+    def positions(self, T, device):
+        """(rows, 1): each row's position; each row then sees the positions up to it (the mask)."""
+        self.mask = (self.span[None, :] <= self.pos[:, None])[:, None, None, :]  # (rows, 1, 1, length)
+        return self.pos[:, None]
+
+    def attend(self, layer, q, k, v, heads):
+        keys, values = self.slots.k[layer], self.slots.v[layer]
+        keys[self.index, :, self.pos] = k[:, :, 0].to(keys.dtype)  # each row's new key and value at its position
+        values[self.index, :, self.pos] = v[:, :, 0].to(values.dtype)  # (the CPU's cache is float32: cache_dtype)
+        return heads(q, keys, values, self.mask)
+
+    def advance(self, T):
+        pass
+
+
+class FixedStep:
+    """The model's fixed-shape decoding step: logits (rows, 1, V) of one token per row of the cache, torch.compiled
+    when asked (static shapes: one graph, whatever the lengths). On CUDA it is captured as a graph at the first
+    call and replayed after (eager where capture fails: said once)."""
+
+    def __init__(self, model, slots, compile=False):
+        self.model, self.fixed = model, Fixed(slots)
+        self.idx = torch.zeros(slots.rows, 1, dtype=torch.long, device=slots.device)
+        self.graph, self.logits = None, None
+        self.capture = slots.device.type == "cuda"
+        if compile:
+            self._run = torch.compile(self._run, fullgraph=True, dynamic=False)
+
+    def __call__(self, idx, pos):
+        """Run the step on tokens idx (rows, 1) at positions pos (rows,), both on the CPU."""
+        self.idx.copy_(idx, non_blocking=True)
+        self.fixed.pos.copy_(pos, non_blocking=True)
+        if self.capture:
+            self.capture = False
+            try:
+                self._capture()
+            except Exception as e:  # e.g. a model whose kernels cannot be captured
+                self.graph = None
+                print(f"note: the decoding step runs without a CUDA graph ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:160] if str(e) else ''})", file=sys.stderr)
+        if self.graph is None:
+            return self._run()
+        self.graph.replay()
+        return self.logits
+
+    def _run(self):
+        return self.model(self.idx, kv_cache=self.fixed)[0]
+
+    def _capture(self):
+        """Warm up on a side stream (lazy initialisations must not happen inside the capture), then capture."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self._run()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._run()
+
+
+def attention_backends(device):
+    """A context manager that picks PyTorch's attention kernels for decoding on device: on CUDA flash and
+    memory-efficient attention (then the plain one), chosen explicitly: left to its default choice, PyTorch
+    spent ~46 ms on a call whose shape it had not seen, i.e. at every token (BENCHMARKS.md)."""
+    import contextlib
+
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
