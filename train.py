@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from machinery import checkpoint, configurator, convert, dataset, distributed, meta, outdir
-from machinery.batches import BatchSampler, whole_split_batches
+from machinery.dataset import BatchSampler, whole_split_batches
 from machinery.configurator import setting
 from machinery.dataset import DATA_DIR
 from machinery.errors import UserError, first_line, run_main
@@ -31,7 +31,6 @@ from machinery.hardware import (autocast, describe, device_setting, dtype_settin
                                 peak_flops, pick_dtype)
 from machinery.metrics import Metrics
 from machinery.scoring import TrainingHellaSwag
-from machinery.stopping import StopFlag
 from model import GPT, GPTConfig
 from optimizers import POLAR_EXPRESS, build_optimizer, set_schedule
 
@@ -210,7 +209,7 @@ class Trainer:
         self.metrics = Metrics(cfg, self.resumed_from, self._eval_due(0), self.wandb_run_id) \
             if self.world.is_master else None
         self.wandb_run_id = (self.metrics and self.metrics.wandb_run_id) or self.wandb_run_id
-        stop = StopFlag(self.world.launcher)
+        stop = distributed.StopFlag(self.world.launcher)
         try:
             x, y = self.next_batch()
             t0, local_iter = time.time(), 0
