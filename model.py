@@ -40,8 +40,8 @@ class GPTConfig:
     NOT_IN_NANOGPT = ("gelu", "qk_norm", "mlp_ratio")  # nanoGPT's GPTConfig has no such field (it has the defaults)
 
     def validate(self):
-        """Raise ValueError naming the first field that cannot build a model. (The one place that
-        checks the model's settings: train.py turns the ValueError into a one-line error.)"""
+        """Raise ValueError naming the first field that cannot build a model.
+        The one place that checks the model's settings: train.py turns the ValueError into a one-line error."""
         for name in [f.name for f in fields(self) if f.type is int]:  # sizes and counts
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -117,7 +117,6 @@ class RowCaches:
 
 class Head(nn.Module):
     """Causal scaled dot-product attention of every head at once: softmax(QK^T / sqrt(head_size)) V.
-
     It holds no weights: MultiHeadAttention projects the queries, keys and values of all heads with one
     matrix and passes them as (B, n_head, T, head_size), the heads a batch dimension (the articles' n_head
     Heads, computed in one call; PyTorch's kernel picks flash attention on CUDA)."""
@@ -244,16 +243,17 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def get_num_params(self, non_embedding=True):
-        """Number of parameters, by default without the position embedding (the token embedding counts: it is
-        the output layer too)."""
+        """Number of parameters, by default without the position embedding (the token embedding is also the
+        output layer, so it counts)."""
         n_params = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n_params -= self.pos_emb.weight.numel()
         return n_params
 
     def forward(self, idx, targets=None, kv_cache=None, every_position=False):
-        """Logits (and the mean cross-entropy with targets) of the tokens idx (B, T). Without targets only the
-        last position's logits are computed (generation needs no more), unless every_position (scoring)."""
+        """The logits of the tokens idx (B, T), and their mean cross-entropy with targets.
+        Without targets only the last position's logits are computed (generation needs no more), unless
+        every_position (scoring)."""
         B, T = idx.size()
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.config.block_size:
@@ -285,7 +285,6 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                  stop_tokens=None, generator=None, use_cache=True, vocab_size=None):
         """idx (B, T) extended by up to max_new_tokens tokens, (B, T + n), as nanoGPT's generate (model.eval() first).
-
         temperature 0 is greedy; generation ends once every row has produced one of stop_tokens (a row that stopped
         is padded with its stop token); use_cache=False re-runs the whole context for every token, as nanoGPT does
         (the same tokens, slower); vocab_size keeps the tokens to a tokenizer's (e.g. 50257 of a padded 50304)."""
@@ -322,7 +321,6 @@ class GPT(nn.Module):
     @torch.inference_mode()
     def next_logits(self, seq, cache=None):
         """Logits (B, vocab_size), in float32, for the token that follows seq (B, T).
-
         The model sees the last block_size tokens of seq at positions 0..block_size-1, as nanoGPT's generate does:
         without a cache, that whole window; with one, only the tokens the cache has not seen (it must hold a prefix
         of seq, as it does when seq grows by some tokens between calls)."""
@@ -345,8 +343,9 @@ class GPT(nn.Module):
         return logits[:, -1, :].float()
 
     def cache_dtype(self, device):
-        """The dtype of a KV cache: autocast's, else the weights', but float32 for bfloat16 or float16 on the CPU,
-        where Head attends in float32 (so only the new token's keys and values are cast, not the whole cache)."""
+        """The dtype of a KV cache: autocast's, else the weights'.
+        But float32 for bfloat16 or float16 on the CPU, where Head attends in float32 (so only the new token's
+        keys and values are cast, not the whole cache)."""
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) \
             else self.tok_emb.weight.dtype
         return torch.float32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else dtype
@@ -372,7 +371,6 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_path, override_args=None):
         """GPT-2's published weights, as nanoGPT's GPT.from_pretrained("gpt2", dict(dropout=0.1)).
-
         gpt2, gpt2-medium, gpt2-large or gpt2-xl from the local Hugging Face cache (no download), or a Hugging Face
         GPT-2 directory; override_args may set dropout only. ValueError says what is wrong with the name or files."""
         override_args = dict(override_args or {})
@@ -384,8 +382,8 @@ class GPT(nn.Module):
         return model
 
     def load_weights(self, state):
-        """Copy in a state dict of our layout (torch.compile's `_orig_mod.` prefixes and the tied lm_head may be
-        there or not); ValueError when it does not fit this model."""
+        """Copy in a state dict of our layout; ValueError when it does not fit this model.
+        torch.compile's `_orig_mod.` prefixes and the tied lm_head may be there or not."""
         try:
             missing, unexpected = self.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state.items()},
                                                        strict=False)
@@ -398,11 +396,8 @@ class GPT(nn.Module):
 
 def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
     """Logits (B, V) scaled by temperature, with what top_k / top_p leave out masked to -inf.
-
-    temperature must be > 0 here (0 means greedy, handled by sample_next); top_k above
-    the vocabulary size keeps everything; top_p keeps the smallest set of most likely
-    tokens whose probabilities add up to at least top_p (nucleus sampling).
-    """
+    temperature must be > 0 here (0 means greedy, handled by sample_next); top_k above the vocabulary size keeps
+    everything; top_p keeps the smallest set of most likely tokens whose probabilities add up to at least top_p."""
     logits = logits.float() / temperature
     if top_k is not None:
         k = min(int(top_k), logits.size(-1))
@@ -420,11 +415,9 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """One token per row of logits (B, V): the argmax when temperature is 0, else a draw from the filtered softmax.
-
     The draw is one uniform number per row, looked up in the cumulative probabilities (inverse transform
     sampling), not torch.multinomial, which draws a number for every token of the vocabulary (BENCHMARKS.md,
-    "Serving and decoding": its cost per step).
-    """
+    "Serving and decoding": its cost per step)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = F.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
@@ -469,9 +462,10 @@ def gpt2_weight(key, tensor, to_gpt2=False, conv1d=True):
 
 
 def from_gpt2_layout(state, conv1d, source):
-    """Our state dict from a Hugging Face (conv1d=True) or nanoGPT (conv1d=False) one. Accepts torch.compile's
-    `_orig_mod.` prefixes and keys without `transformer.` (GPT2Model's files, like OpenAI's first gpt2 upload);
-    skips the causal-mask buffers older code saved; refuses other unknown weights and an untied output layer."""
+    """Our state dict from a Hugging Face (conv1d=True) or nanoGPT (conv1d=False) one.
+    Accepts torch.compile's `_orig_mod.` prefixes and keys without `transformer.` (GPT2Model's files, like OpenAI's
+    first gpt2 upload); skips the causal-mask buffers older code saved; refuses other unknown weights and an untied
+    output layer."""
     out, unknown = {}, []
     for key, tensor in state.items():
         key = key.removeprefix("_orig_mod.")
@@ -527,8 +521,8 @@ def gpt2_config(directory, dropout=0.0):
 
 
 def find_gpt2(name_or_path):
-    """The directory of a Hugging Face GPT-2 checkpoint: a GPT-2 size in the local Hugging Face cache (where
-    huggingface_hub looks: HF_HUB_CACHE, HF_HOME, ...), or a path."""
+    """The directory of a Hugging Face GPT-2 checkpoint: a path, or a GPT-2 size in the local Hugging Face cache.
+    huggingface_hub finds the cache (HF_HUB_CACHE, HF_HOME, ...) and the snapshot refs/main points to."""
     if name_or_path in GPT2_SIZES:
         try:
             from huggingface_hub import constants, try_to_load_from_cache
@@ -556,8 +550,8 @@ def find_gpt2(name_or_path):
 
 
 def read_gpt2_weights(directory):
-    """The tensors of a Hugging Face checkpoint directory, read by safetensors, or by torch.load with
-    weights_only=True (tensors and plain data only: no code runs)."""
+    """The tensors of a Hugging Face checkpoint directory.
+    Read by safetensors, or by torch.load with weights_only=True (tensors and plain data only: no code runs)."""
     from safetensors.torch import load_file
 
     path = next((os.path.join(directory, f) for f in GPT2_WEIGHT_FILES if os.path.isfile(os.path.join(directory, f))),

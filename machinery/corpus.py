@@ -164,8 +164,9 @@ def dataset_meta(state):
 
 
 def small_corpus_val_tokens(total, description):
-    """The validation split of a corpus of `total` tokens that fills fewer than two shards: its first
-    VAL_PERCENT %, but at least MIN_SPLIT_TOKENS, and train must keep as many (else a UserError)."""
+    """The validation tokens of a corpus of `total` tokens that fills fewer than two shards.
+
+    Its first VAL_PERCENT %, but at least MIN_SPLIT_TOKENS, and train must keep as many (else a UserError)."""
     val = max(total * VAL_PERCENT // 100, MIN_SPLIT_TOKENS)
     if total - val < MIN_SPLIT_TOKENS:
         lower = (f", or pass --shard_tokens {total // 2} or less to make the first shard of that size the "
@@ -185,9 +186,10 @@ def small_corpus_note(total, val, shard_tokens):
 
 
 def stream_position(tokens, q, start):
-    """(documents done, tokens of the next document written) at tokens[q], for a piece `tokens` of the stream
-    that begins at position `start` and goes on past q. Every document begins with <|endoftext|>, which
-    encode_ordinary never gives, so the document starts are where that token is."""
+    """The stream position at tokens[q]: (documents done, tokens of the next document written).
+
+    `tokens` is a piece of the stream that begins at position `start` and goes on past q. Every document
+    begins with <|endoftext|>, which encode_ordinary never gives, so the document starts are where it is."""
     docs, offset = start
     starts = np.flatnonzero(tokens[:q] == GPT2_EOT)
     started = docs + (offset > 0) + len(starts)  # documents begun before tokens[q]
@@ -217,8 +219,10 @@ def write_parts(path, n, parts):
 
 
 class ShardWriter:
-    """Fills one shard buffer from the token stream; a full shard is written (and the progress file
-    updated) only once more tokens follow; finish() writes the rest at the end."""
+    """The shard being filled from the token stream, and the shards and progress file written so far.
+
+    A full shard is written (and the progress file updated) only once more tokens follow; finish() writes
+    the rest at the end."""
 
     def __init__(self, out_dir, state):
         self.out_dir, self.state = out_dir, state
@@ -256,8 +260,10 @@ class ShardWriter:
         self.fill = 0
 
     def finish(self, description):
-        """Write what the buffer holds at the end of the stream: as it is where the corpus fills two shards
-        or more (llm.c's layout), else with validation cut to small_corpus_val_tokens (see the module doc)."""
+        """Write what the buffer holds at the end of the stream.
+
+        As it is where the corpus fills two shards or more (llm.c's layout), else with validation cut to
+        small_corpus_val_tokens (see the module doc)."""
         records, shard_tokens = self.state["shards"], len(self.buf)
         total = sum(r["tokens"] for r in records) + self.fill
         if total < 2 * shard_tokens:
@@ -275,8 +281,9 @@ class ShardWriter:
             self.flush()
 
     def recut(self, val):
-        """The validation shard (the first shard_tokens tokens, on disk) and the buffer (the rest) cut again
-        at val: the train shards first, from the validation shard's tail and the buffer, then the validation
+        """Cut the validation shard (the first shard_tokens tokens, on disk) and the buffer again at val.
+
+        The train shards are written first, from the validation shard's tail and the buffer, then the validation
         shard itself, then the progress file. Until that last write the progress file describes the first
         cut, so an interrupted run continues from it and cuts again (or, once the validation shard is
         replaced, its header no longer matches and the run starts again): either way the same bytes."""
@@ -301,8 +308,8 @@ class ShardWriter:
 
 
 def prepare_corpus(source, out_dir, name, shard_tokens=DEFAULT_SHARD_TOKENS, num_proc=None, progress=True):
-    """Tokenize source's documents into GPT-2 shards in out_dir (continuing an interrupted run);
-    write meta.json and return it."""
+    """Tokenize source's documents into GPT-2 shards in out_dir, continuing an interrupted run; returns the
+    meta.json it writes."""
     check_name(name)
     if shard_tokens < 1 or shard_tokens >= 1 << 31:
         raise UserError(f"--shard_tokens must be between 1 and 2**31 - 1, got {shard_tokens}")

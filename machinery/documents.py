@@ -44,8 +44,8 @@ def _open_parquet(path):
 
 
 def _parquet_docs(path, skip):
-    """The `text` values of a parquet file, in row order, after the first `skip` rows; whole row
-    groups that are skipped are never read."""
+    """The `text` values of a parquet file, in row order, after the first `skip` rows (whole row groups
+    skipped are never read)."""
     pf = _open_parquet(path)
     for g in range(pf.num_row_groups):
         rows = pf.metadata.row_group(g).num_rows
@@ -91,8 +91,9 @@ def _txt_doc(path):
 
 
 def _parquet_docs_after(path, skip):
-    """(the documents of a parquet file after the first `skip`, what is left of skip for the next files):
-    a file wholly skipped is not read, only its row count."""
+    """The documents of a parquet file after the first `skip`, and what is left of skip for the next files.
+
+    A file wholly skipped is not read, only its row count."""
     rows = _open_parquet(path).metadata.num_rows
     if skip >= rows:
         return iter(()), skip - rows
@@ -115,8 +116,10 @@ def _documents_of_files(paths, skip):
 
 
 class LocalSource:
-    """Documents from a file or a directory (walked in sorted order): parquet files with a `text` column,
-    JSON lines with a "text" field (optionally gzipped), and .txt files (one document each)."""
+    """The documents of a local file or directory (walked in sorted order).
+
+    Parquet files with a `text` column, JSON lines with a "text" field (optionally gzipped), and .txt files
+    (one document each)."""
 
     def __init__(self, path, suffixes=LOCAL_SUFFIXES):
         self.path = os.path.abspath(path)
@@ -141,8 +144,10 @@ class LocalSource:
 
 
 class HubSource:
-    """Documents of a dataset's parquet files on the Hugging Face hub, downloaded one by one into the
-    hub cache (huggingface_hub's hf_hub_download) and read locally. Not testable offline."""
+    """The documents of a dataset's parquet files on the Hugging Face hub.
+
+    The files are downloaded one by one into the hub cache (huggingface_hub's hf_hub_download) and read
+    locally. (The tests fake the hub's two calls: no network here.)"""
 
     def __init__(self, repo_id, subset=None):
         self.repo_id, self.subset = repo_id, subset
