@@ -428,16 +428,17 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 
 
 # ---------------------------------------------------------------------- GPT-2's published weights
-# Hugging Face's GPT-2 files (and nanoGPT's checkpoints) hold our weights under other names: this table, read here
-# and written by machinery/convert.py. Hugging Face stores a block's matrices as Conv1D, (in, out), the transpose
-# of nn.Linear's (out, in).
+# Hugging Face's GPT-2 files (and nanoGPT's checkpoints) hold our weights under other names: the one table of them,
+# read here and written by machinery/convert.py. Hugging Face stores a block's matrices as Conv1D, (in, out), the
+# transpose of nn.Linear's (out, in).
 
 GPT2_SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 GPT2_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-GPT2_NAMES = {"transformer.wte": "tok_emb", "transformer.wpe": "pos_emb", "transformer.ln_f": "ln_f",
-              "lm_head": "lm_head"}
-GPT2_BLOCK_NAMES = {"ln_1": "ln1", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj", "ln_2": "ln2",
-                    "mlp.c_fc": "ffwd.fc", "mlp.c_proj": "ffwd.proj"}  # in transformer.h.N, ours in blocks.N
+GPT2_NAMES = {  # GPT-2's module -> ours; N: a block's number
+    "transformer.wte": "tok_emb", "transformer.wpe": "pos_emb", "transformer.ln_f": "ln_f", "lm_head": "lm_head",
+    "transformer.h.N.ln_1": "blocks.N.ln1", "transformer.h.N.attn.c_attn": "blocks.N.attn.qkv",
+    "transformer.h.N.attn.c_proj": "blocks.N.attn.proj", "transformer.h.N.ln_2": "blocks.N.ln2",
+    "transformer.h.N.mlp.c_fc": "blocks.N.ffwd.fc", "transformer.h.N.mlp.c_proj": "blocks.N.ffwd.proj"}
 # Hugging Face's activation names: the tanh approximation under several names, or the exact GELU
 GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_python_tanh": "tanh", "gelu_fast": "tanh",
              "gelu": "none", "gelu_python": "none"}
@@ -446,19 +447,16 @@ GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_python_tanh"
 def gpt2_weight(key, tensor, to_gpt2=False, conv1d=True):
     """(name, tensor) of a weight in the other layout: GPT-2's for ours with to_gpt2, else ours for GPT-2's.
     The name is None for a weight the table does not know; conv1d: a block's matrices are transposed."""
-    names, block_names, blocks, new_blocks = GPT2_NAMES, GPT2_BLOCK_NAMES, "transformer.h", "blocks"
-    if to_gpt2:
-        names, block_names = ({ours: theirs for theirs, ours in d.items()} for d in (names, block_names))
-        blocks, new_blocks = new_blocks, blocks
+    table = {ours: theirs for theirs, ours in GPT2_NAMES.items()} if to_gpt2 else GPT2_NAMES
     module, _, param = key.rpartition(".")
-    block = re.fullmatch(rf"{re.escape(blocks)}\.(\d+)\.(.+)", module)
-    if module in names:
-        return f"{names[module]}.{param}", tensor
-    if not (block and block[2] in block_names):
+    block = re.search(r"\.(\d+)\.", module)
+    name = table.get(re.sub(r"\.\d+\.", ".N.", module, count=1))
+    if name is None:
         return None, tensor
+    if block is None:
+        return f"{name}.{param}", tensor
     # every matrix inside a block is a Conv1D in Hugging Face's GPT-2 (LayerNorm gains are vectors)
-    name = f"{new_blocks}.{block[1]}.{block_names[block[2]]}.{param}"
-    return name, (tensor.t() if conv1d and tensor.dim() == 2 else tensor)
+    return f"{name.replace('.N.', block[0])}.{param}", (tensor.t() if conv1d and tensor.dim() == 2 else tensor)
 
 
 def from_gpt2_layout(state, conv1d, source):

@@ -2,8 +2,8 @@
 GPT-2 weights in the layouts of other code: Hugging Face transformers and nanoGPT,
 read into this repository's model and (for Hugging Face) written back out.
 
-The three share one architecture and differ only in names (model.py's table, GPT2_NAMES and
-GPT2_BLOCK_NAMES, read both ways by model.gpt2_weight) and in Hugging Face's Conv1D, which
+The three share one architecture and differ only in names (model.py's GPT2_NAMES, the one
+table of them, read both ways by model.gpt2_weight) and in Hugging Face's Conv1D, which
 stores a block's matrices transposed. Reading Hugging Face's GPT-2 is model.py's
 GPT.from_pretrained (no `transformers`, no download: gpt2 ... gpt2-xl come from the
 local Hugging Face cache); this file adds the one-line errors of the commands,
