@@ -1,22 +1,12 @@
 """
-The whole GPT model in one file, read top to bottom:
+The GPT language model, all of it in this one file.
 
-    Head -> MultiHeadAttention -> FeedForward -> Block -> GPT
-
-It follows GPT-2 (pre-LayerNorm blocks, learned position embedding, tied
-input/output embedding, GELU MLP 4x wide: `mlp_ratio`), with one option GPT-2
-lacks (`qk_norm`, used by the speedruns), and keeps nanoGPT's API:
-`GPT(GPTConfig(...))`, `model(idx, targets) -> (logits, loss)`,
-`model.generate(...)`, `estimate_mfu(...)`, `GPT.from_pretrained("gpt2")` (GPT-2's
-published weights, read at the end of this file; the optimizer: optimizers.py).
-This file imports nothing else of the project.
-
-Generation uses a KV cache (`KVCache`): one pass over the prompt, then one
-position per new token. The cached path gives the same tokens as re-running
-the whole context, including past block_size (see `GPT.next_logits`).
+GPTConfig -> Head -> MultiHeadAttention -> FeedForward -> Block -> GPT: GPT-2's architecture (pre-LayerNorm
+blocks, learned position embedding, tied embeddings, GELU MLP) with one option GPT-2 lacks (`qk_norm`), and
+nanoGPT's API: `GPT(GPTConfig(...))`, `model(idx, targets)`, `generate`, `estimate_mfu`, `GPT.from_pretrained`.
+Imports nothing else of the project.
 """
 
-import glob
 import json
 import math
 import os
@@ -30,6 +20,8 @@ import torch.nn.functional as F
 
 @dataclass
 class GPTConfig:
+    """The model's shape and options: GPT-2 small's by default (its vocabulary padded)."""
+
     block_size: int = 1024  # longest context the model sees (size of the position embedding)
     vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 for speed
     n_layer: int = 12
@@ -48,17 +40,15 @@ class GPTConfig:
     NOT_IN_NANOGPT = ("gelu", "qk_norm", "mlp_ratio")  # nanoGPT's GPTConfig has no such field (it has the defaults)
 
     def validate(self):
-        """Raise ValueError naming the first field that cannot build a model. (The one place that
-        checks the model's settings: train.py turns the ValueError into a one-line error.)"""
+        """Raise ValueError naming the first field that cannot build a model.
+        The one place that checks the model's settings: train.py turns the ValueError into a one-line error."""
         for name in [f.name for f in fields(self) if f.type is int]:  # sizes and counts
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
-                f"pick n_embd as a multiple of n_head"
-            )
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
+                             f"pick n_embd as a multiple of n_head")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.gelu not in ("none", "tanh"):
@@ -102,16 +92,10 @@ class KVCache:
 
 
 class Head(nn.Module):
-    """Causal scaled dot-product attention, softmax(QK^T / sqrt(head_size)) V, of every head at once.
-
-    In the articles (and Karpathy's video), a Head owns its key, query and value projections and
-    attends for one head; MultiHeadAttention then runs n_head of them and concatenates. Here the
-    projections of all heads are one matrix in MultiHeadAttention (`qkv`, the same weights as
-    n_head separate ones side by side), and this module receives q, k, v shaped
-    (B, n_head, T, head_size): the heads are a batch dimension, so one call computes what n_head
-    Heads of the articles compute one by one. It calls PyTorch's scaled_dot_product_attention,
-    which picks flash attention on CUDA.
-    """
+    """Causal scaled dot-product attention of every head at once: softmax(QK^T / sqrt(head_size)) V.
+    It holds no weights: MultiHeadAttention projects the queries, keys and values of all heads with one
+    matrix and passes them as (B, n_head, T, head_size), the heads a batch dimension (the articles' n_head
+    Heads, computed in one call; PyTorch's kernel picks flash attention on CUDA)."""
 
     def __init__(self, dropout):
         super().__init__()
@@ -204,6 +188,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """The language model: token and position embeddings, n_layer Blocks, a last LayerNorm, the tied output layer."""
+
     def __init__(self, config):
         super().__init__()
         config.validate()
@@ -233,16 +219,17 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def get_num_params(self, non_embedding=True):
-        """Number of parameters; by default without the position embedding (the token
-        embedding counts, since it is also the output layer)."""
+        """Number of parameters, by default without the position embedding (the token embedding is also the
+        output layer, so it counts)."""
         n_params = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n_params -= self.pos_emb.weight.numel()
         return n_params
 
     def forward(self, idx, targets=None, kv_cache=None, every_position=False):
-        """Logits (and the mean cross-entropy with targets) of the tokens idx (B, T). Without targets only the
-        last position's logits are computed (generation needs no more), unless every_position (scoring)."""
+        """The logits of the tokens idx (B, T), and their mean cross-entropy with targets.
+        Without targets only the last position's logits are computed (generation needs no more), unless
+        every_position (scoring)."""
         B, T = idx.size()
         if kv_cache is None:
             if T > self.config.block_size:
@@ -267,62 +254,15 @@ class GPT(nn.Module):
             loss = None
         return logits, loss
 
-    @classmethod
-    def from_pretrained(cls, name_or_path, override_args=None):
-        """GPT-2's weights, as nanoGPT's GPT.from_pretrained("gpt2", dict(dropout=0.1)): gpt2, gpt2-medium,
-        gpt2-large or gpt2-xl from the local Hugging Face cache, or the path of a Hugging Face GPT-2 directory
-        (the end of this file reads them). override_args may set dropout only, as in nanoGPT (the other
-        settings are the weights'). ValueError names what is wrong with the name, the directory or its files."""
-        override_args = dict(override_args or {})
-        if set(override_args) - {"dropout"}:
-            raise ValueError(f"override_args may only set dropout, got {sorted(override_args)}")
-        directory = find_gpt2(name_or_path)
-        model = cls(gpt2_config(read_gpt2_config(directory), directory, override_args.get("dropout", 0.0)))
-        model.load_weights(from_gpt2_layout(read_gpt2_weights(directory), conv1d=True, source=directory))
-        return model
-
-    def load_weights(self, state):
-        """Copy in a state dict in our layout (torch.compile's `_orig_mod.` prefixes and the tied lm_head may be
-        there or not); ValueError when it does not fit this model."""
-        try:
-            missing, unexpected = self.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state.items()},
-                                                       strict=False)
-        except RuntimeError as e:
-            raise ValueError(f"the weights do not fit the model: {_first_line(e)}") from None
-        missing = [k for k in missing if k != "lm_head.weight"]  # tied to tok_emb.weight
-        if missing or unexpected:
-            raise ValueError(f"the weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-
-    def crop_block_size(self, block_size):
-        """Shrink the context, e.g. to finetune GPT-2 (block 1024) with a smaller block_size."""
-        assert 0 < block_size <= self.config.block_size
-        self.config.block_size = block_size
-        self.pos_emb.weight = nn.Parameter(self.pos_emb.weight[:block_size])
-
-    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=312e12):
-        """Model FLOPs utilisation: achieved FLOP/s over peak_flops (default A100 bf16, as nanoGPT).
-        FLOPs per token from the PaLM paper, appendix B."""
-        cfg = self.config
-        N = self.get_num_params()
-        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
-        flops_per_token = 6 * N + 12 * L * H * Q * T
-        flops_per_iter = flops_per_token * T * fwdbwd_per_iter
-        return flops_per_iter / dt / peak_flops
-
     # ------------------------------------------------------------------ generation
 
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                  stop_tokens=None, generator=None, use_cache=True, vocab_size=None):
-        """Extend idx (B, T) by up to max_new_tokens tokens and return the (B, T + n) result.
-
-        temperature 0 is greedy (argmax). Generation ends early once every row has
-        produced one of stop_tokens; a row that stopped is padded with its stop token.
-        use_cache=False re-runs the whole context for every token, as nanoGPT does
-        (same tokens, slower). vocab_size limits the tokens to the first vocab_size
-        (a tokenizer's, when the model's vocabulary is padded, e.g. 50257 of 50304).
-        Put the model in eval mode first (model.eval()).
-        """
+        """idx (B, T) extended by up to max_new_tokens tokens, (B, T + n), as nanoGPT's generate (model.eval() first).
+        temperature 0 is greedy; generation ends once every row has produced one of stop_tokens (a row that stopped
+        is padded with its stop token); use_cache=False re-runs the whole context for every token, as nanoGPT does
+        (the same tokens, slower); vocab_size keeps the tokens to a tokenizer's (e.g. 50257 of a padded 50304)."""
         new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p,
                                         stop_tokens, generator, use_cache, vocab_size))
         return torch.cat([idx] + [tok[:, None] for tok in new], dim=1)
@@ -356,12 +296,9 @@ class GPT(nn.Module):
     @torch.inference_mode()
     def next_logits(self, seq, cache=None):
         """Logits (B, vocab_size), in float32, for the token that follows seq (B, T).
-
-        The model sees the last block_size tokens of seq at positions 0..block_size-1,
-        as nanoGPT's generate does. Without a cache it runs that whole window. With a
-        cache it runs only the tokens the cache has not seen yet; the cache must hold a
-        prefix of seq, as it does when seq grows by some tokens between calls.
-        """
+        The model sees the last block_size tokens of seq at positions 0..block_size-1, as nanoGPT's generate does:
+        without a cache, that whole window; with one, only the tokens the cache has not seen (it must hold a prefix
+        of seq, as it does when seq grows by some tokens between calls)."""
         block_size = self.config.block_size
         if cache is None:
             new = seq[:, -block_size:]  # nanoGPT's way: the whole context again for every token
@@ -381,21 +318,61 @@ class GPT(nn.Module):
         return logits[:, -1, :].float()
 
     def cache_dtype(self, device):
-        """The dtype of a KV cache: the keys' and values' (autocast's, else the weights'), except float32 for
-        bfloat16 or float16 on the CPU, where Head attends in float32 (then only the new token's are cast, not the
-        cache)."""
+        """The dtype of a KV cache: autocast's, else the weights'.
+        But float32 for bfloat16 or float16 on the CPU, where Head attends in float32 (so only the new token's
+        keys and values are cast, not the whole cache)."""
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) \
             else self.tok_emb.weight.dtype
         return torch.float32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else dtype
 
+    # ------------------------------------------------------------------ sizes, MFU and GPT-2's weights
+
+    def crop_block_size(self, block_size):
+        """Shrink the context, e.g. to finetune GPT-2 (block 1024) with a smaller block_size."""
+        assert 0 < block_size <= self.config.block_size
+        self.config.block_size = block_size
+        self.pos_emb.weight = nn.Parameter(self.pos_emb.weight[:block_size])
+
+    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=312e12):
+        """Model FLOPs utilisation: achieved FLOP/s over peak_flops (default A100 bf16, as nanoGPT).
+        FLOPs per token from the PaLM paper, appendix B."""
+        cfg = self.config
+        N = self.get_num_params()
+        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
+        flops_per_token = 6 * N + 12 * L * H * Q * T
+        flops_per_iter = flops_per_token * T * fwdbwd_per_iter
+        return flops_per_iter / dt / peak_flops
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, override_args=None):
+        """GPT-2's published weights, as nanoGPT's GPT.from_pretrained("gpt2", dict(dropout=0.1)).
+        gpt2, gpt2-medium, gpt2-large or gpt2-xl from the local Hugging Face cache (no download), or a Hugging Face
+        GPT-2 directory; override_args may set dropout only. ValueError says what is wrong with the name or files."""
+        override_args = dict(override_args or {})
+        if set(override_args) - {"dropout"}:
+            raise ValueError(f"override_args may only set dropout, got {sorted(override_args)}")
+        directory = find_gpt2(name_or_path)
+        model = cls(gpt2_config(directory, override_args.get("dropout", 0.0)))
+        model.load_weights(from_gpt2_layout(read_gpt2_weights(directory), conv1d=True, source=directory))
+        return model
+
+    def load_weights(self, state):
+        """Copy in a state dict of our layout; ValueError when it does not fit this model.
+        torch.compile's `_orig_mod.` prefixes and the tied lm_head may be there or not."""
+        try:
+            missing, unexpected = self.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state.items()},
+                                                       strict=False)
+        except RuntimeError as e:  # its last line names the last weight of the wrong shape
+            raise ValueError(f"the weights do not fit the model: {str(e).strip().splitlines()[-1].strip()}") from None
+        missing = [k for k in missing if k != "lm_head.weight"]  # tied to tok_emb.weight
+        if missing or unexpected:
+            raise ValueError(f"the weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
 
 def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
-    """Scale logits (B, V) by temperature and mask (to -inf) what top_k / top_p leave out.
-
-    temperature must be > 0 here (0 means greedy, handled by sample_next); top_k above
-    the vocabulary size keeps everything; top_p keeps the smallest set of most likely
-    tokens whose probabilities add up to at least top_p (nucleus sampling).
-    """
+    """Logits (B, V) scaled by temperature, with what top_k / top_p leave out masked to -inf.
+    temperature must be > 0 here (0 means greedy, handled by sample_next); top_k above the vocabulary size keeps
+    everything; top_p keeps the smallest set of most likely tokens whose probabilities add up to at least top_p."""
     logits = logits.float() / temperature
     if top_k is not None:
         k = min(int(top_k), logits.size(-1))
@@ -413,10 +390,10 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None, u=None):
-    """One token per row of logits (B, V): argmax when temperature is 0, else a draw from the softmax of the
-    filtered logits. The draw is one uniform number per row (u, (B, 1); drawn from generator when not given),
-    looked up in the cumulative probabilities (inverse transform sampling: torch.multinomial would draw a
-    number for every token of the vocabulary instead, as slow as a decoding step; BENCHMARKS.md)."""
+    """One token per row of logits (B, V): the argmax when temperature is 0, else a draw from the filtered softmax.
+    The draw is one uniform number per row (u, (B, 1); drawn from generator when not given), looked up in the
+    cumulative probabilities (inverse transform sampling), not torch.multinomial, which draws a number for every
+    token of the vocabulary (BENCHMARKS.md, "Serving and decoding": its cost per step)."""
     if temperature < torch.finfo(torch.float32).tiny:  # 0, or so small that float32 would take it for 0: greedy
         return logits.argmax(dim=-1)
     # each row's largest logit subtracted first (the softmax is the same): then no temperature, however small,
@@ -432,78 +409,53 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None,
 
 
 # ---------------------------------------------------------------------- GPT-2's published weights
-#
-# GPT.from_pretrained reads a Hugging Face GPT-2 checkpoint (config.json and model.safetensors or
-# pytorch_model.bin, possibly sharded), with no `transformers` and no download: OpenAI's gpt2 ... gpt2-xl
-# from the local Hugging Face cache, or any directory. GPT-2's layout differs from ours in names only, and
-# Hugging Face stores a block's four matrices as Conv1D, (in, out): the transpose of nn.Linear's (out, in).
-# (machinery/convert.py uses the same names for nanoGPT's checkpoints, which have no Conv1D, and to export ours.)
+# Hugging Face's GPT-2 files (and nanoGPT's checkpoints) hold our weights under other names: the one table of them,
+# read here and written by machinery/convert.py. Hugging Face stores a block's matrices as Conv1D, (in, out), the
+# transpose of nn.Linear's (out, in).
 
 GPT2_SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-GPT2_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                     "pytorch_model.bin.index.json")
-GPT2_NAMES = {"transformer.wte": "tok_emb", "transformer.wpe": "pos_emb", "transformer.ln_f": "ln_f",
-              "lm_head": "lm_head", "ln_1": "ln1", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
-              "ln_2": "ln2", "mlp.c_fc": "ffwd.fc", "mlp.c_proj": "ffwd.proj"}  # (inside transformer.h.N)
+GPT2_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+GPT2_NAMES = {  # GPT-2's module -> ours; N: a block's number
+    "transformer.wte": "tok_emb", "transformer.wpe": "pos_emb", "transformer.ln_f": "ln_f", "lm_head": "lm_head",
+    "transformer.h.N.ln_1": "blocks.N.ln1", "transformer.h.N.attn.c_attn": "blocks.N.attn.qkv",
+    "transformer.h.N.attn.c_proj": "blocks.N.attn.proj", "transformer.h.N.ln_2": "blocks.N.ln2",
+    "transformer.h.N.mlp.c_fc": "blocks.N.ffwd.fc", "transformer.h.N.mlp.c_proj": "blocks.N.ffwd.proj"}
 # Hugging Face's activation names: the tanh approximation under several names, or the exact GELU
 GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_python_tanh": "tanh", "gelu_fast": "tanh",
              "gelu": "none", "gelu_python": "none"}
 
 
-def gpt2_config(hf, source, dropout=0.0):
-    """The GPTConfig of a Hugging Face GPT-2 config.json (a dict); ValueError for what this GPT computes otherwise."""
-    def refuse(why):
-        raise ValueError(f"{source}: {why}, which this GPT cannot compute; only GPT-2's architecture loads")
-
-    if hf.get("model_type") != "gpt2":
-        refuse(f"model_type is {hf.get('model_type')!r}, not 'gpt2'")
-    act = hf.get("activation_function", "gelu_new")
-    if act not in GPT2_GELU:
-        refuse(f"activation_function is {act!r} (supported: {', '.join(GPT2_GELU)})")
-    n_embd, n_inner = hf.get("n_embd", 768), hf.get("n_inner")
-    n_inner = 4 * n_embd if n_inner is None else n_inner  # None: GPT-2's 4 * n_embd
-    if n_inner % n_embd:
-        refuse(f"the MLP is {n_inner} wide, not a multiple of n_embd = {n_embd}")
-    if hf.get("layer_norm_epsilon", 1e-5) != 1e-5:
-        refuse(f"layer_norm_epsilon is {hf['layer_norm_epsilon']} instead of 1e-5")
-    if not hf.get("scale_attn_weights", True):
-        refuse("scale_attn_weights is false (attention without the 1/sqrt(head size) scale)")
-    if hf.get("scale_attn_by_inverse_layer_idx", False):
-        refuse("scale_attn_by_inverse_layer_idx is true (attention scaled down by the layer number)")
-    if hf.get("add_cross_attention", False):
-        refuse("add_cross_attention is true (an encoder-decoder model)")
-    # reorder_and_upcast_attn only changes the precision of the attention scores, not the maths: accepted
-    config = GPTConfig(block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
-                       n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd,
-                       dropout=dropout, bias=True, gelu=GPT2_GELU[act], mlp_ratio=n_inner // n_embd)
-    try:
-        config.validate()
-    except ValueError as e:
-        refuse(str(e))
-    return config
+def gpt2_weight(key, tensor, to_gpt2=False, conv1d=True):
+    """(name, tensor) of a weight in the other layout: GPT-2's for ours with to_gpt2, else ours for GPT-2's.
+    The name is None for a weight the table does not know; conv1d: a block's matrices are transposed."""
+    table = {ours: theirs for theirs, ours in GPT2_NAMES.items()} if to_gpt2 else GPT2_NAMES
+    module, _, param = key.rpartition(".")
+    block = re.search(r"\.(\d+)\.", module)
+    name = table.get(re.sub(r"\.\d+\.", ".N.", module, count=1))
+    if name is None:
+        return None, tensor
+    if block is None:
+        return f"{name}.{param}", tensor
+    # every matrix inside a block is a Conv1D in Hugging Face's GPT-2 (LayerNorm gains are vectors)
+    return f"{name.replace('.N.', block[0])}.{param}", (tensor.t() if conv1d and tensor.dim() == 2 else tensor)
 
 
 def from_gpt2_layout(state, conv1d, source):
-    """Our state dict from a Hugging Face (conv1d=True) or nanoGPT (conv1d=False) one. Accepts torch.compile's
-    `_orig_mod.` prefixes and keys without `transformer.` (GPT2Model's files, like OpenAI's first gpt2 upload);
-    skips the causal-mask buffers older code saved; refuses other unknown weights and an untied output layer."""
+    """Our state dict from a Hugging Face (conv1d=True) or nanoGPT (conv1d=False) one.
+    Accepts torch.compile's `_orig_mod.` prefixes and keys without `transformer.` (GPT2Model's files, like OpenAI's
+    first gpt2 upload); skips the causal-mask buffers older code saved; refuses other unknown weights and an untied
+    output layer."""
     out, unknown = {}, []
     for key, tensor in state.items():
         key = key.removeprefix("_orig_mod.")
         if re.search(r"(^|\.)h\.\d+\.attn\.(masked_)?bias$", key):
             continue  # a mask, not a weight
         key = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
-        module, _, param = key.rpartition(".")
-        block = re.fullmatch(r"transformer\.h\.(\d+)\.(.+)", module)
-        if module in GPT2_NAMES and "." not in GPT2_NAMES[module]:
-            ours = f"{GPT2_NAMES[module]}.{param}"
-        elif block and block[2] in GPT2_NAMES:
-            ours = f"blocks.{block[1]}.{GPT2_NAMES[block[2]]}.{param}"
-        else:
+        ours, tensor = gpt2_weight(key, tensor, conv1d=conv1d)
+        if ours is None:
             unknown.append(key)
-            continue
-        # every matrix inside a block is a Conv1D in Hugging Face's GPT-2 (LayerNorm gains are vectors)
-        out[ours] = tensor.t() if conv1d and block and tensor.dim() == 2 else tensor
+        else:
+            out[ours] = tensor
     if unknown:
         raise ValueError(f"{source} has weights that GPT-2 does not have ({', '.join(unknown[:3])}); "
                          f"it is not a plain GPT-2 model")
@@ -514,100 +466,83 @@ def from_gpt2_layout(state, conv1d, source):
     return out
 
 
+def gpt2_config(directory, dropout=0.0):
+    """The GPTConfig of a Hugging Face GPT-2 directory's config.json; ValueError for what this GPT cannot compute."""
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+        if not isinstance(hf, dict):
+            raise ValueError(f"it holds a {type(hf).__name__}")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not valid JSON holding an object ({e})") from None
+    act, n_embd, n_inner = hf.get("activation_function", "gelu_new"), hf.get("n_embd", 768), hf.get("n_inner")
+    n_inner = 4 * n_embd if n_inner is None else n_inner  # None: GPT-2's 4 * n_embd
+    why = next((why for wrong, why in [
+        (hf.get("model_type") != "gpt2", f"model_type is {hf.get('model_type')!r}, not 'gpt2'"),
+        (act not in GPT2_GELU, f"activation_function is {act!r} (supported: {', '.join(GPT2_GELU)})"),
+        (n_inner % n_embd, f"the MLP is {n_inner} wide, not a multiple of n_embd = {n_embd}"),
+        (hf.get("layer_norm_epsilon", 1e-5) != 1e-5, f"layer_norm_epsilon is {hf.get('layer_norm_epsilon')}, not 1e-5"),
+        (not hf.get("scale_attn_weights", True), "scale_attn_weights is false (no 1/sqrt(head size) scale)"),
+        (hf.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx is true (scaled by the layer)"),
+        (hf.get("add_cross_attention"), "add_cross_attention is true (an encoder-decoder model)"),
+    ] if wrong), None)  # (reorder_and_upcast_attn changes only the precision of the attention scores: accepted)
+    config = GPTConfig(block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
+                       n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd, dropout=dropout,
+                       bias=True, gelu=GPT2_GELU.get(act), mlp_ratio=n_inner // n_embd)
+    try:
+        config.validate()
+    except ValueError as e:
+        why = why or str(e)
+    if why:
+        raise ValueError(f"{path}: {why}, which this GPT cannot compute; only GPT-2's architecture loads")
+    return config
+
+
 def find_gpt2(name_or_path):
-    """The directory of a Hugging Face GPT-2 checkpoint: a GPT-2 size from the local cache, or a path."""
+    """The directory of a Hugging Face GPT-2 checkpoint: a path, or a GPT-2 size in the local Hugging Face cache.
+    huggingface_hub finds the cache (HF_HUB_CACHE, HF_HOME, ...) and the snapshot refs/main points to."""
     if name_or_path in GPT2_SIZES:
-        snap = _cached_snapshot(name_or_path)
-        if snap is None:
-            raise ValueError(f"{name_or_path} is not in the local Hugging Face cache ({', '.join(hub_caches())}); "
-                             f"fetch it once (hf download openai-community/{name_or_path} config.json "
-                             f"model.safetensors) or give the path of a directory holding them")
-        return snap
-    if os.path.isdir(name_or_path):
-        if not os.path.isfile(os.path.join(name_or_path, "config.json")):
-            ours = any(os.path.isfile(os.path.join(name_or_path, f)) for f in ("ckpt.pt", "best.pt"))
-            hint = "; it holds a training checkpoint: sample it with --out_dir, resume it with init_from=resume" \
-                if ours else ""
-            raise ValueError(f"{name_or_path} has no config.json, so it is not a Hugging Face GPT-2 checkpoint{hint}")
+        try:
+            from huggingface_hub import constants, try_to_load_from_cache
+        except ImportError:
+            raise ValueError(f"finding {name_or_path} in the Hugging Face cache needs huggingface_hub (pip install "
+                             f"huggingface_hub==2.4.0), or give the path of a directory holding its files") from None
+        for repo in (f"openai-community/{name_or_path}", name_or_path):  # (the bare name: before openai-community)
+            config, *weights = (try_to_load_from_cache(repo, f) for f in ("config.json", *GPT2_WEIGHT_FILES))
+            if isinstance(config, str) and any(isinstance(w, str) for w in weights):
+                return os.path.dirname(config)
+        raise ValueError(f"{name_or_path} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); fetch it "
+                         f"once (hf download openai-community/{name_or_path} config.json model.safetensors) or give "
+                         f"the path of a directory holding them")
+    if os.path.isfile(os.path.join(name_or_path, "config.json")):
         return name_or_path
+    if os.path.isdir(name_or_path):
+        ours = any(os.path.isfile(os.path.join(name_or_path, f)) for f in ("ckpt.pt", "best.pt"))
+        hint = "; it holds a training checkpoint: sample it with --out_dir, resume it with init_from=resume"
+        raise ValueError(f"{name_or_path} has no config.json, so it is not a Hugging Face GPT-2 checkpoint"
+                         f"{hint if ours else ''}")
     if os.path.exists(name_or_path):
         raise ValueError(f"{name_or_path} is a file; give the directory holding config.json and model.safetensors")
     raise ValueError(f"{name_or_path!r} is neither a GPT-2 size ({', '.join(GPT2_SIZES)}) nor an existing "
                      f"directory with a Hugging Face GPT-2 checkpoint")
 
 
-def hub_caches():
-    """The Hugging Face cache directories to look in, as huggingface_hub resolves them."""
-    env = os.environ
-    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                                              "huggingface")
-    dirs = [env.get("HF_HUB_CACHE"), env.get("HUGGINGFACE_HUB_CACHE"), os.path.join(home, "hub")]
-    return [d for i, d in enumerate(dirs) if d and d not in dirs[:i]]
-
-
-def _cached_snapshot(name):
-    """The cached snapshot of gpt2* (refs/main first, then the newest) holding config.json and weights."""
-    for cache in hub_caches():
-        for repo in (f"models--{name}", f"models--openai-community--{name}"):
-            root = os.path.join(cache, repo)
-            snapshots = sorted(glob.glob(os.path.join(root, "snapshots", "*")), key=os.path.getmtime, reverse=True)
-            ref = os.path.join(root, "refs", "main")
-            if os.path.isfile(ref):
-                with open(ref) as f:
-                    snapshots.insert(0, os.path.join(root, "snapshots", f.read().strip()))
-            for snap in snapshots:
-                if os.path.isfile(os.path.join(snap, "config.json")) and \
-                        any(os.path.isfile(os.path.join(snap, w)) for w in GPT2_WEIGHT_FILES):
-                    return snap
-    return None
-
-
-def _first_line(e):
-    lines = str(e).strip().splitlines()
-    return lines[0][:200] if lines else type(e).__name__
-
-
-def read_gpt2_config(directory):
-    """The dict of a Hugging Face directory's config.json."""
-    path = os.path.join(directory, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            hf = json.load(f)
-    except (OSError, ValueError) as e:
-        hf = e
-    if not isinstance(hf, dict):  # unreadable, not JSON, or JSON of something else
-        why = _first_line(hf) if isinstance(hf, Exception) else type(hf).__name__
-        raise ValueError(f"{path} is not valid JSON holding an object ({why})")
-    return hf
-
-
 def read_gpt2_weights(directory):
-    """All tensors of a Hugging Face checkpoint directory (one file, or the shards an index lists)."""
-    path = next((os.path.join(directory, name) for name in GPT2_WEIGHT_FILES
-                 if os.path.isfile(os.path.join(directory, name))), None)
+    """The tensors of a Hugging Face checkpoint directory.
+    Read by safetensors, or by torch.load with weights_only=True (tensors and plain data only: no code runs)."""
+    from safetensors.torch import load_file
+
+    path = next((os.path.join(directory, f) for f in GPT2_WEIGHT_FILES if os.path.isfile(os.path.join(directory, f))),
+                None)
     if path is None:
-        raise ValueError(f"{directory} has no weights ({' or '.join(GPT2_WEIGHT_FILES[::2])})")
-    if not path.endswith(".index.json"):
-        return _read_tensors(path)
+        raise ValueError(f"{directory} has no weights ({' or '.join(GPT2_WEIGHT_FILES)})")
+    safetensors = path.endswith(".safetensors")
     try:
-        with open(path, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-        shards = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise ValueError(f"{path} is not an index with a weight_map") from None
-    return {k: v for shard in shards for k, v in _read_tensors(os.path.join(directory, shard)).items()}
-
-
-def _read_tensors(path):
-    try:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            return load_file(path)
-        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only: no code runs
+        state = load_file(path) if safetensors else torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged file fails in many ways inside either reader
-        kind = "safetensors" if path.endswith(".safetensors") else "PyTorch weights"
-        raise ValueError(f"{path} is not a readable {kind} file ({_first_line(e)})") from None
+        raise ValueError(f"{path} is not a readable {'safetensors' if safetensors else 'PyTorch'} file "
+                         f"({type(e).__name__})") from None
     if not isinstance(state, dict):
         raise ValueError(f"{path} does not hold a dict of weights")
     return state

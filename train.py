@@ -9,7 +9,11 @@ or data-parallel over many GPUs / nodes with torchrun:
 
 Every setting is a field of TrainConfig below; `python train.py --help` lists them.
 Read it top to bottom: the settings, main(), then the Trainer: its setup, the loop, and
-the loop's named steps (evaluate_and_checkpoint, optimizer_step).
+the loop's named steps (evaluate_and_checkpoint, optimizer_step). What the loop decides
+from the step and the settings alone is a plain function at the end: when to evaluate
+(eval_due) and to save (save_due), and the evaluation itself (split_losses). The
+learning-rate schedule is optimizers.get_lr, a function of the step and the settings too;
+what a checkpoint records, checkpoint.training_state and resume_state.
 """
 
 import gc
@@ -23,7 +27,7 @@ import numpy as np
 import torch
 
 from machinery import checkpoint, configurator, convert, dataset, distributed, meta, outdir
-from machinery.batches import BatchSampler, whole_split_batches
+from machinery.dataset import BatchSampler, whole_split_batches
 from machinery.configurator import setting
 from machinery.dataset import DATA_DIR
 from machinery.errors import UserError, first_line, run_main
@@ -31,7 +35,6 @@ from machinery.hardware import (autocast, describe, device_setting, dtype_settin
                                 peak_flops, pick_dtype)
 from machinery.metrics import Metrics
 from machinery.scoring import TrainingHellaSwag
-from machinery.stopping import StopFlag
 from model import GPT, GPTConfig
 from optimizers import POLAR_EXPRESS, build_optimizer, set_schedule
 
@@ -207,16 +210,16 @@ class Trainer:
         self.log(f"tokens per iteration: {self.tokens_per_iter:,} ({self.world.size} process(es) x {self.accum} "
                  f"micro-steps x {cfg.batch_size} x {cfg.block_size})")
         self.log(f"parameters: {self.raw_model.get_num_params() / 1e6:.2f}M; {describe(self.device, self.dtype)}")
-        self.metrics = Metrics(cfg, self.resumed_from, self._eval_due(0), self.wandb_run_id) \
+        self.metrics = Metrics(cfg, self.resumed_from, eval_due(self.iter_num, 0, cfg), self.wandb_run_id) \
             if self.world.is_master else None
         self.wandb_run_id = (self.metrics and self.metrics.wandb_run_id) or self.wandb_run_id
-        stop = StopFlag(self.world.launcher)
+        stop = distributed.StopFlag(self.world.launcher)
         try:
             x, y = self.next_batch()
             t0, local_iter = time.time(), 0
             while True:
                 lr = set_schedule(self.optimizer, self.iter_num, cfg)
-                if self._eval_due(local_iter):
+                if eval_due(self.iter_num, local_iter, cfg):
                     self.evaluate_and_checkpoint(lr)
                     if cfg.eval_only:
                         break
@@ -237,8 +240,7 @@ class Trainer:
                 # the last step (before the final evaluation, which could fail). Under torchrun, asking the other
                 # ranks about signals syncs with the device: only on steps that log (which sync anyway).
                 stopping = stop.requested(self.world, self.device, ask_ranks=logs)
-                if stopping or self.iter_num == cfg.max_iters or (cfg.ckpt_interval
-                                                                 and self.iter_num % cfg.ckpt_interval == 0):
+                if stopping or save_due(self.iter_num, cfg):
                     self.save(checkpoint.LATEST)
                 if stopping:
                     self.log(f"stopped by {stop.name} at iteration {self.iter_num}; checkpoint saved in "
@@ -252,11 +254,6 @@ class Trainer:
                 self.metrics.close()
             if self.out_dir_lock:
                 self.out_dir_lock.release()
-
-    def _eval_due(self, local_iter):
-        cfg = self.cfg
-        return self.iter_num % cfg.eval_interval == 0 and (local_iter > 0 or cfg.eval_at_start) \
-            or self.iter_num >= cfg.max_iters or cfg.eval_only
 
     def evaluate_and_checkpoint(self, lr):
         """Losses (and HellaSwag when due), logged; best.pt if val improves, ckpt.pt as always_save_checkpoint asks."""
@@ -320,31 +317,10 @@ class Trainer:
         self.metrics.record(self.iter_num, loss=lossf, lr=lr, tokens=self.iter_num * self.tokens_per_iter,
                             tokens_per_s=round(self.tokens_per_iter / dt))
 
-    @torch.no_grad()
     def estimate_loss(self):
-        """Mean loss over eval_iters batches of each split (or the whole val split with eval_whole_val),
-        split over the ranks and averaged. As in nanoGPT, the random batches come from the training
-        batches' stream (so a resumed run, which evaluates again at its first step, draws the same ones).
-        Every rank evaluates the same number of sampled batches (an FSDP forward is a collective)."""
-        cfg, world = self.cfg, self.world
-        self.model.eval()
-        out = {}
-        for split, data in (("train", self.dataset.train), ("val", self.dataset.val)):
-            if split == "val" and cfg.eval_whole_val:
-                batches = whole_split_batches(data, cfg.batch_size, cfg.block_size, self.device, world.rank, world.size)
-            else:
-                sampler = BatchSampler(data, cfg.batch_size, cfg.block_size, self.train_sampler.generator, self.device)
-                batches = (sampler.next() for _ in range(math.ceil(cfg.eval_iters / world.size)))
-            totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss summed over windows, windows
-            for x, y in batches:
-                with self.autocast:
-                    _, loss = self.model(x, y)
-                totals[0] += loss.double() * len(x)  # weighted: the whole split's last batch can be smaller
-                totals[1] += len(x)
-            totals = distributed.all_reduce(totals)
-            out[split] = (totals[0] / totals[1]).item()
-        self.model.train()
-        return out
+        """The train and val losses now (split_losses), from the training batches' stream as nanoGPT's."""
+        return split_losses(self.model, self.dataset, self.train_sampler.generator, self.cfg, self.device,
+                            self.autocast, self.world)
 
     def save(self, which):
         """Write ckpt.pt (full state) or best.pt (weights); every rank must call it (state is gathered)."""
@@ -463,6 +439,48 @@ class Trainer:
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             checkpoint.restore_rank_state(saved, self.train_sampler)
+
+
+# ---------------------------------------------------------------------- the loop's decisions, as plain functions
+
+
+def eval_due(iter_num, local_iter, cfg):
+    """Whether the loop evaluates (and checkpoints) before step iter_num, the local_iter-th of this process.
+    Every eval_interval steps (before the first one only with eval_at_start), after the last, and with eval_only."""
+    return iter_num % cfg.eval_interval == 0 and (local_iter > 0 or cfg.eval_at_start) \
+        or iter_num >= cfg.max_iters or cfg.eval_only
+
+
+def save_due(iter_num, cfg):
+    """Whether ckpt.pt is written right after step iter_num, besides evaluations and signals: every ckpt_interval
+    steps and after the last, so saving never waits for an evaluation (which could fail)."""
+    return iter_num == cfg.max_iters or bool(cfg.ckpt_interval and iter_num % cfg.ckpt_interval == 0)
+
+
+@torch.no_grad()
+def split_losses(model, dataset, generator, cfg, device, autocast, world):
+    """The mean loss of each split, {"train": ..., "val": ...}, averaged over the ranks.
+    eval_iters random batches of each split, drawn with generator (as in nanoGPT, the training batches' stream: a
+    resumed run, which evaluates again at its first step, draws the same ones), split over the ranks, every rank
+    the same number (an FSDP forward is a collective); with eval_whole_val, the whole val split in order."""
+    model.eval()
+    out = {}
+    for split, data in (("train", dataset.train), ("val", dataset.val)):
+        if split == "val" and cfg.eval_whole_val:
+            batches = whole_split_batches(data, cfg.batch_size, cfg.block_size, device, world.rank, world.size)
+        else:
+            sampler = BatchSampler(data, cfg.batch_size, cfg.block_size, generator, device)
+            batches = (sampler.next() for _ in range(math.ceil(cfg.eval_iters / world.size)))
+        totals = torch.zeros(2, device=device, dtype=torch.float64)  # loss summed over windows, windows
+        for x, y in batches:
+            with autocast:
+                _, loss = model(x, y)
+            totals[0] += loss.double() * len(x)  # weighted: the whole split's last batch can be smaller
+            totals[1] += len(x)
+        totals = distributed.all_reduce(totals)
+        out[split] = (totals[0] / totals[1]).item()
+    model.train()
+    return out
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ out_dir/ckpt.pt   the latest full training state, for init_from=resume
 out_dir/best.pt   the weights with the best validation loss, for sampling
 
 Both are plain dicts of tensors, numbers, strings, lists and dicts, so they load with
-torch.load(..., weights_only=True): a file that carries anything else is refused.
+torch.load(..., weights_only=True), which builds only tensors and plain data: a file that asks
+for anything else (unpickling can call any function) is refused in one line, as is a damaged one.
 
     model, model_config, train_config, iter_num, best_val_loss, meta (the dataset's tokenizer)
     ckpt.pt also: optimizer, scaler, ranks (per process: every RNG and the batch sampler), wandb_run_id
@@ -18,16 +19,18 @@ under any other and loads in a single-process sample.py.
 """
 
 import os
+import pickle
 import random
+import re
+import zipfile
 from dataclasses import asdict, fields
 
 import numpy as np
 import torch
 
 from machinery import convert, meta
-from machinery.errors import UserError
+from machinery.errors import UserError, first_line
 from machinery.fileio import atomic_write
-from machinery.safe_pickle import torch_load
 from model import GPT, GPTConfig
 
 LATEST = "ckpt.pt"
@@ -209,6 +212,30 @@ def find(out_dir, which="best"):
     if os.path.isfile(latest) or which == "latest":
         return latest
     raise UserError(f"no checkpoint in {out_dir} ({BEST} or {LATEST}); train first or check --out_dir")
+
+
+# what the weights_only unpickler says when a file asks it to build an object or call a function
+_UNSAFE_SIGNS = ("GLOBAL", "unrecognized function", "Can only create new object", "Can only build")
+
+
+def torch_load(path):
+    """torch.load a file of tensors and plain data (weights_only=True) onto the CPU; one-line errors."""
+    corrupt = f"checkpoint {path} is truncated or corrupt"
+    # torch.save has written zip files since PyTorch 1.6; anything else is damaged or not a checkpoint
+    if not zipfile.is_zipfile(path):
+        raise UserError(f"{corrupt} (not a PyTorch zip archive); use another checkpoint or train again")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if any(sign in str(e) for sign in _UNSAFE_SIGNS):
+            named = re.search(r"GLOBAL (\S+)", str(e))  # the function or class it asks for, e.g. posix.system
+            raise UserError(f"refusing to load {path}: it holds Python objects beyond tensors and plain data"
+                            f"{f' ({named[1]})' if named else ''}, which could run code when loaded; only load "
+                            f"checkpoints you trust") from None
+        # (torch's own message suggests weights_only=False: not advice to pass on for a damaged file)
+        raise UserError(f"{corrupt} (its data cannot be unpickled); use another checkpoint or train again") from None
+    except Exception as e:  # a damaged file fails in many ways inside torch.load
+        raise UserError(f"{corrupt} ({first_line(e)}); use another checkpoint or train again") from None
 
 
 def load(path):

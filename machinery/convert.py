@@ -2,22 +2,9 @@
 GPT-2 weights in the layouts of other code: Hugging Face transformers and nanoGPT,
 read into this repository's model and (for Hugging Face) written back out.
 
-The three share one architecture and differ only in names (and Conv1D):
-
-    ours                 Hugging Face GPT-2 / nanoGPT
-    tok_emb              transformer.wte
-    pos_emb              transformer.wpe
-    blocks.N.ln1         transformer.h.N.ln_1
-    blocks.N.attn.qkv    transformer.h.N.attn.c_attn     Hugging Face: Conv1D, weight transposed
-    blocks.N.attn.proj   transformer.h.N.attn.c_proj     Hugging Face: Conv1D, weight transposed
-    blocks.N.ln2         transformer.h.N.ln_2
-    blocks.N.ffwd.fc     transformer.h.N.mlp.c_fc        Hugging Face: Conv1D, weight transposed
-    blocks.N.ffwd.proj   transformer.h.N.mlp.c_proj      Hugging Face: Conv1D, weight transposed
-    ln_f                 transformer.ln_f
-    lm_head (tied)       lm_head (tied; Hugging Face files usually leave it out)
-
-Hugging Face's Conv1D computes x @ W + b with W shaped (in, out); nn.Linear stores
-(out, in), hence the transpose. Reading Hugging Face's GPT-2 is model.py's
+The three share one architecture and differ only in names (model.py's GPT2_NAMES, the one
+table of them, read both ways by model.gpt2_weight) and in Hugging Face's Conv1D, which
+stores a block's matrices transposed. Reading Hugging Face's GPT-2 is model.py's
 GPT.from_pretrained (no `transformers`, no download: gpt2 ... gpt2-xl come from the
 local Hugging Face cache); this file adds the one-line errors of the commands,
 nanoGPT's checkpoints, finetuning, and writing our models in Hugging Face's format.
@@ -28,7 +15,6 @@ with GPTConfig.gelu="tanh"; nanoGPT's models use the exact GELU (gelu="none").
 
 import json
 import os
-import re
 
 import torch
 
@@ -36,26 +22,10 @@ from machinery import meta
 from machinery.errors import UserError
 from machinery.fileio import atomic_write
 from machinery.tokenizer import GPT2_EOT
-from model import GPT, GPT2_NAMES, GPTConfig, find_gpt2
+from model import GPT, GPTConfig, find_gpt2, gpt2_weight
 from model import from_gpt2_layout as _from_gpt2_layout
 
-# the inverse of model.GPT2_NAMES, for writing GPT-2's layout
-_TO_GPT2 = {ours: theirs for theirs, ours in GPT2_NAMES.items()}
 _GELU_TO_HF = {"tanh": "gelu_new", "none": "gelu"}  # gelu_new: the name GPT-2's own config.json uses
-
-
-def _gpt2_name(key):
-    """GPT-2's name for one of our weights (blocks.0.ln1.weight -> transformer.h.0.ln_1.weight)."""
-    module, _, param = key.rpartition(".")
-    if module in _TO_GPT2:
-        return f"{_TO_GPT2[module]}.{param}"
-    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", module)
-    return f"transformer.h.{m.group(1)}.{_TO_GPT2[m.group(2)]}.{param}"
-
-
-def _is_conv1d(our_key, tensor):
-    # every matrix inside a block is a Conv1D in Hugging Face's GPT-2 (LayerNorm gains are vectors)
-    return our_key.startswith("blocks.") and tensor.dim() == 2
 
 
 def load_weights(model, state):
@@ -76,9 +46,10 @@ def from_gpt2_layout(state, conv1d, source):
 
 
 def to_hf_state(state):
-    """Hugging Face GPT-2 tensors (transformer.*, Conv1D transposed, lm_head left to tying) from ours."""
-    return {_gpt2_name(k): (v.t() if _is_conv1d(k, v) else v).contiguous()
-            for k, v in state.items() if k != "lm_head.weight"}
+    """Hugging Face GPT-2 tensors (transformer.*, Conv1D transposed, lm_head left to tying) from ours
+    (model.gpt2_weight: the one table of names, both ways)."""
+    renamed = (gpt2_weight(k, v, to_gpt2=True) for k, v in state.items() if k != "lm_head.weight")
+    return {name: tensor.contiguous() for name, tensor in renamed}
 
 
 # ---------------------------------------------------------------------- Hugging Face directories

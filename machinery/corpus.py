@@ -1,6 +1,6 @@
 """
-Large-corpus preparation: documents in, GPT-2 token shards out (prepare.py's openwebtext,
-fineweb_edu and `text --input DIR` modes).
+Large-corpus preparation: documents in (documents.py), GPT-2 token shards out (prepare.py's
+openwebtext, fineweb_edu and `text --input DIR` modes).
 
     documents (local parquet / JSON lines / .txt files, or the Hugging Face hub), in order
       -> [eot] + encode_ordinary(doc) on every core (a process pool, results kept in order)
@@ -23,11 +23,10 @@ Memory does not grow with the corpus: documents are read in batches, at most
 An interrupted run picks up where it stopped: after each finished shard, a small
 progress file beside the shards records where in the document stream the shard
 ended (documents done + tokens of the next one already written). A re-run checks
-the finished shards' headers, skips those documents (whole parquet row groups at a
-time) and continues, writing exactly the bytes an uninterrupted run would.
+the finished shards' headers, skips those documents and continues, writing exactly
+the bytes an uninterrupted run would.
 """
 
-import gzip
 import json
 import os
 import re
@@ -38,6 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from machinery import dataset, meta, shards
+from machinery.documents import HubSource, LocalSource
 from machinery.errors import UserError
 from machinery.fileio import atomic_write, remove_stale_temps
 from machinery.tokenizer import GPT2_EOT, gpt2_encoding
@@ -47,16 +47,11 @@ VAL_PERCENT = 10  # validation's share of a corpus under two shards (prepare.py'
 MIN_SPLIT_TOKENS = 1025  # ... but at least one GPT-2 training window (block_size 1024 + 1), and as many for train
 CHUNK_CHARS = 1 << 20  # documents are sent to the workers in chunks of about 1M characters
 CHUNK_DOCS = 4096  # ... or this many documents, whichever comes first
-PARQUET_BATCH_ROWS = 1024
-PARQUET_BUFFER_BYTES = 1 << 20
 PROGRESS_FILE = "prepare_progress.json"
-PYARROW_HINT = "pip install pyarrow==26.0.1"
-HUB_HINT = "pip install huggingface_hub==2.4.0"
 HUB_CORPORA = {  # prepare.py's corpus -> (hub repository, default subset)
     "fineweb_edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT"),
     "openwebtext": ("Skylion007/openwebtext", None),
 }
-LOCAL_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".json.gz", ".txt")
 
 
 def check_name(name):
@@ -66,184 +61,6 @@ def check_name(name):
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise UserError(f"--name {name!r} must be a plain name (letters, digits, - and _)")
     return name
-
-
-# ---------------------------------------------------------------------------- document sources
-
-
-def _import_pyarrow_parquet():
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise UserError(f"reading parquet files needs pyarrow: {PYARROW_HINT}") from None
-    return pq
-
-
-def _open_parquet(path):
-    """A pyarrow ParquetFile that has a `text` column (checked from the footer alone)."""
-    pq = _import_pyarrow_parquet()
-    try:
-        # a buffered stream reads a row group's pages as they are needed: without it pyarrow loads the
-        # whole column chunk first, and some corpora ship row groups of hundreds of MB
-        pf = pq.ParquetFile(path, pre_buffer=False, buffer_size=PARQUET_BUFFER_BYTES)
-    except Exception as e:  # pyarrow.ArrowInvalid and friends: not a parquet file
-        raise UserError(f"{path} is not a readable parquet file ({type(e).__name__}); replace or remove it") from None
-    if "text" not in pf.schema_arrow.names:
-        raise UserError(f"{path} has no `text` column (columns: {', '.join(pf.schema_arrow.names)}); "
-                        f"give parquet files with the documents in a `text` column")
-    return pf
-
-
-def _parquet_docs(path, skip):
-    """The `text` values of a parquet file, in row order, after the first `skip` rows; whole row
-    groups that are skipped are never read."""
-    pf = _open_parquet(path)
-    for g in range(pf.num_row_groups):
-        rows = pf.metadata.row_group(g).num_rows
-        if skip >= rows:
-            skip -= rows
-            continue
-        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[g], columns=["text"]):
-            texts = batch.column(0).to_pylist()
-            if skip:
-                texts, skip = texts[skip:], max(0, skip - len(texts))
-            for text in texts:
-                if not isinstance(text, str):
-                    raise UserError(f"{path} has a row whose `text` is {text!r}, not a string; remove that row")
-                yield text
-
-
-def _jsonl_docs(path):
-    opener = gzip.open if path.endswith(".gz") else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    raise UserError(f"{path} line {number} is not valid JSON; give one JSON object per line") from None
-                text = record.get("text") if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    raise UserError(f"{path} line {number} has no string \"text\" field; "
-                                    f"give one {{\"text\": ...}} object per line")
-                yield text
-    except (UnicodeDecodeError, OSError, EOFError) as e:
-        raise UserError(f"cannot read {path} as UTF-8 JSON lines ({type(e).__name__}); check the file") from None
-
-
-def _txt_doc(path):
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8 first") from None
-
-
-def _parquet_docs_after(path, skip):
-    """(the documents of a parquet file after the first `skip`, what is left of skip for the next files):
-    a file wholly skipped is not read, only its row count."""
-    rows = _open_parquet(path).metadata.num_rows
-    if skip >= rows:
-        return iter(()), skip - rows
-    return _parquet_docs(path, skip), 0
-
-
-def _documents_of_files(paths, skip):
-    """The documents of the files in order, after the first `skip` (parquet row groups skipped unread)."""
-    for path in paths:
-        if path.endswith(".parquet"):
-            docs, skip = _parquet_docs_after(path, skip)
-            yield from docs
-            continue
-        docs = [_txt_doc(path)] if path.endswith(".txt") else _jsonl_docs(path)
-        for doc in docs:
-            if skip:
-                skip -= 1
-                continue
-            yield doc
-
-
-class LocalSource:
-    """Documents from a file or a directory (walked in sorted order): parquet files with a `text` column,
-    JSON lines with a "text" field (optionally gzipped), and .txt files (one document each)."""
-
-    def __init__(self, path, suffixes=LOCAL_SUFFIXES):
-        self.path = os.path.abspath(path)
-        self.description = self.path
-        if os.path.isfile(path):
-            self.files = [self.path]
-        elif os.path.isdir(path):
-            self.files = [os.path.join(root, f) for root, dirs, names in sorted(os.walk(self.path))
-                          for f in sorted(names) if f.endswith(suffixes) and not f.startswith(".")]
-            if not self.files:
-                raise UserError(f"{path} holds no {', '.join(suffixes)} files; give a directory of documents")
-        else:
-            raise UserError(f"input {path} does not exist; pass an existing file or directory with --input")
-        if not self.files[0].endswith(suffixes):
-            raise UserError(f"{path} is not a {', '.join(suffixes)} file; give documents in one of those formats")
-        for f in self.files:  # footers only: a bad parquet file stops us before anything is written
-            if f.endswith(".parquet"):
-                _open_parquet(f)
-
-    def documents(self, skip=0):
-        return _documents_of_files(self.files, skip)
-
-
-class HubSource:
-    """Documents of a dataset's parquet files on the Hugging Face hub, downloaded one by one into the
-    hub cache (huggingface_hub's hf_hub_download) and read locally. Not testable offline."""
-
-    def __init__(self, repo_id, subset=None):
-        self.repo_id, self.subset = repo_id, subset
-        self.description = f"hf://datasets/{repo_id}" + (f"/{subset}" if subset else "")
-        self.revision, self.names = self.files()  # now: no network or subset error once writing has begun
-
-    def _hub(self):
-        _import_pyarrow_parquet()
-        try:
-            import huggingface_hub
-        except ImportError:
-            raise UserError(f"downloading from the Hugging Face hub needs huggingface_hub: {HUB_HINT} "
-                            f"(or pass local parquet files with --input DIR)") from None
-        from huggingface_hub.utils import logging as hub_logging
-
-        hub_logging.set_verbosity_error()  # its retry warnings would turn our one-line errors into many lines
-        return huggingface_hub
-
-    def _prefix(self):
-        # FineWeb(-Edu) keeps sample-10BT in sample/10BT/, the whole corpus in data/, each dump in data/<dump>/
-        if self.subset is None:
-            return ""
-        if self.subset.startswith("sample-"):
-            return "sample/" + self.subset[len("sample-"):] + "/"
-        return "data/" if self.subset == "default" else f"data/{self.subset}/"
-
-    def files(self):
-        """(revision, sorted parquet paths); the hub's own parquet conversion when the main branch has none."""
-        hub = self._hub()
-        for revision in (None, "refs/convert/parquet"):
-            try:
-                names = hub.HfApi().list_repo_files(self.repo_id, repo_type="dataset", revision=revision)
-            except Exception as e:
-                raise UserError(f"cannot list {self.description} on the Hugging Face hub ({type(e).__name__}); "
-                                f"check the network, or download the parquet files and pass --input DIR") from None
-            found = sorted(n for n in names if n.endswith(".parquet") and n.startswith(self._prefix()))
-            if found:
-                return revision, found
-        raise UserError(f"{self.description} has no parquet files; check --subset")
-
-    def documents(self, skip=0):
-        hub = self._hub()
-        for name in self.names:
-            try:
-                path = hub.hf_hub_download(self.repo_id, name, repo_type="dataset", revision=self.revision)
-            except Exception as e:
-                raise UserError(f"cannot download {name} of {self.description} ({type(e).__name__}); "
-                                f"run again to continue where it stopped") from None
-            docs, skip = _parquet_docs_after(path, skip)
-            yield from docs
 
 
 # ---------------------------------------------------------------------------- tokenization
@@ -347,8 +164,9 @@ def dataset_meta(state):
 
 
 def small_corpus_val_tokens(total, description):
-    """The validation split of a corpus of `total` tokens that fills fewer than two shards: its first
-    VAL_PERCENT %, but at least MIN_SPLIT_TOKENS, and train must keep as many (else a UserError)."""
+    """The validation tokens of a corpus of `total` tokens that fills fewer than two shards.
+
+    Its first VAL_PERCENT %, but at least MIN_SPLIT_TOKENS, and train must keep as many (else a UserError)."""
     val = max(total * VAL_PERCENT // 100, MIN_SPLIT_TOKENS)
     if total - val < MIN_SPLIT_TOKENS:
         lower = (f", or pass --shard_tokens {total // 2} or less to make the first shard of that size the "
@@ -368,9 +186,10 @@ def small_corpus_note(total, val, shard_tokens):
 
 
 def stream_position(tokens, q, start):
-    """(documents done, tokens of the next document written) at tokens[q], for a piece `tokens` of the stream
-    that begins at position `start` and goes on past q. Every document begins with <|endoftext|>, which
-    encode_ordinary never gives, so the document starts are where that token is."""
+    """The stream position at tokens[q]: (documents done, tokens of the next document written).
+
+    `tokens` is a piece of the stream that begins at position `start` and goes on past q. Every document
+    begins with <|endoftext|>, which encode_ordinary never gives, so the document starts are where it is."""
     docs, offset = start
     starts = np.flatnonzero(tokens[:q] == GPT2_EOT)
     started = docs + (offset > 0) + len(starts)  # documents begun before tokens[q]
@@ -400,8 +219,10 @@ def write_parts(path, n, parts):
 
 
 class ShardWriter:
-    """Fills one shard buffer from the token stream; a full shard is written (and the progress file
-    updated) only once more tokens follow; finish() writes the rest at the end."""
+    """The shard being filled from the token stream, and the shards and progress file written so far.
+
+    A full shard is written (and the progress file updated) only once more tokens follow; finish() writes
+    the rest at the end."""
 
     def __init__(self, out_dir, state):
         self.out_dir, self.state = out_dir, state
@@ -439,8 +260,10 @@ class ShardWriter:
         self.fill = 0
 
     def finish(self, description):
-        """Write what the buffer holds at the end of the stream: as it is where the corpus fills two shards
-        or more (llm.c's layout), else with validation cut to small_corpus_val_tokens (see the module doc)."""
+        """Write what the buffer holds at the end of the stream.
+
+        As it is where the corpus fills two shards or more (llm.c's layout), else with validation cut to
+        small_corpus_val_tokens (see the module doc)."""
         records, shard_tokens = self.state["shards"], len(self.buf)
         total = sum(r["tokens"] for r in records) + self.fill
         if total < 2 * shard_tokens:
@@ -458,8 +281,9 @@ class ShardWriter:
             self.flush()
 
     def recut(self, val):
-        """The validation shard (the first shard_tokens tokens, on disk) and the buffer (the rest) cut again
-        at val: the train shards first, from the validation shard's tail and the buffer, then the validation
+        """Cut the validation shard (the first shard_tokens tokens, on disk) and the buffer again at val.
+
+        The train shards are written first, from the validation shard's tail and the buffer, then the validation
         shard itself, then the progress file. Until that last write the progress file describes the first
         cut, so an interrupted run continues from it and cuts again (or, once the validation shard is
         replaced, its header no longer matches and the run starts again): either way the same bytes."""
@@ -484,8 +308,8 @@ class ShardWriter:
 
 
 def prepare_corpus(source, out_dir, name, shard_tokens=DEFAULT_SHARD_TOKENS, num_proc=None, progress=True):
-    """Tokenize source's documents into GPT-2 shards in out_dir (continuing an interrupted run);
-    write meta.json and return it."""
+    """Tokenize source's documents into GPT-2 shards in out_dir, continuing an interrupted run; returns the
+    meta.json it writes."""
     check_name(name)
     if shard_tokens < 1 or shard_tokens >= 1 << 31:
         raise UserError(f"--shard_tokens must be between 1 and 2**31 - 1, got {shard_tokens}")

@@ -1,5 +1,6 @@
 """
-A prepared dataset: where it lives, what it holds, and its two splits opened for reading.
+A prepared dataset: where it lives, what it holds, its two splits opened for reading, and the
+batches drawn from them.
 
     DATA_DIR/NAME/   train.bin and val.bin (uint16 token ids, nanoGPT's layout), or llm.c's shards
                      NAME_{train,val}_NNNNNN.bin (shards.py); meta.json (meta.py: the tokenizer, the
@@ -8,6 +9,13 @@ A prepared dataset: where it lives, what it holds, and its two splits opened for
 `--dataset` is a name under `--data_dir` or a directory path (resolve). load() memory-maps each split
 (one .bin file, or a split's shards seen as one array), checks that each holds a training window,
 and the Dataset checks the token ids against a model's vocabulary before training starts.
+
+Training draws batches of random windows (BatchSampler): B windows of block_size + 1 tokens, gathered
+with one fancy-indexing call; x is a window without its last token, y without its first. The sampler
+draws with its own random generator (not torch's global one), so every data-parallel rank draws
+different batches, and its state goes into checkpoints: a resumed run draws exactly the batches the
+uninterrupted run would have (train.py starts it where nanoGPT's get_batch would). Evaluation can
+instead walk a whole split once, in order (whole_split_batches).
 """
 
 import os
@@ -82,3 +90,63 @@ def load_split(directory, split, block_size):
         raise UserError(f"{where} has {len(data)} tokens, fewer than block_size + 1 = {block_size + 1}; "
                         f"use more data or a smaller --block_size")
     return data
+
+
+# ---------------------------------------------------------------------- batches
+# (torch is imported inside: prepare.py uses this module's resolve() and does without torch, BENCHMARKS.md)
+
+
+class BatchSampler:
+    """Random (x, y) batches of one split, drawn with the given generator; several samplers can share one,
+    as nanoGPT draws train and eval batches from one stream."""
+
+    def __init__(self, data, batch_size, block_size, generator, device="cpu"):
+        self.data = data
+        self.batch_size = batch_size
+        self.block_size = block_size
+        self.generator = generator
+        self.device = device
+
+    def next(self):
+        import torch
+
+        starts = torch.randint(len(self.data) - self.block_size, (self.batch_size,), generator=self.generator)
+        return _windows(self.data, starts, self.block_size, self.device)
+
+    def state_dict(self):
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state["generator"])
+
+
+def whole_split_batches(data, batch_size, block_size, device="cpu", rank=0, world_size=1, tail=False):
+    """Every token of a split once, in order: the split cut into consecutive windows of block_size + 1
+    tokens that overlap by one, so each token after the first is a target exactly once; batch_size windows
+    per batch. The last (len - 1) % block_size targets, too few for a window, are left out (train.py's
+    whole-split val loss), or with tail=True make a last, shorter window, padded with inputs 0 and targets -1,
+    which the loss ignores (eval.py's loss on a text). With several processes, rank takes every
+    world_size-th batch."""
+    targets = len(data) - 1
+    n = -(-targets // block_size) if tail else targets // block_size
+    starts = np.arange(n) * block_size
+    for i in range(rank * batch_size, n, world_size * batch_size):
+        yield _windows(data, starts[i:i + batch_size], block_size, device)
+
+
+def _windows(data, starts, block_size, device):
+    """(x, y) on device for the windows data[s : s + block_size + 1] of each start s, with one gather; a window
+    running past the end of data is padded (inputs 0, targets -1)."""
+    import torch
+
+    device = torch.device(device)
+    index = torch.as_tensor(starts)[:, None] + torch.arange(block_size + 1)
+    inside = index < len(data)
+    windows = torch.from_numpy(data[index.clamp(max=len(data) - 1).numpy()].astype(np.int64))
+    x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    if not inside.all():
+        x, y = x.masked_fill(~inside[:, :-1], 0), y.masked_fill(~inside[:, 1:], -1)
+    if device.type == "cuda":
+        # pinned host memory lets the copy run asynchronously with the GPU's work
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)

@@ -3,20 +3,21 @@ Dataset metadata: which tokenizer made a dataset's token ids, and what else prep
 knows about it. The one place that reads, writes and defaults it.
 
     data/<dataset>/meta.json    written by prepare.py (JSON, never a pickle)
-    data/<dataset>/meta.pkl     nanoGPT's, for character-level data: read as plain data only
+    data/<dataset>/meta.pkl     nanoGPT's, for character-level data: read as plain data only (below)
     a checkpoint                carries a copy, so sample.py decodes as the data was encoded
 
 A dataset with neither (nanoGPT's openwebtext, llm.c's shards) is GPT-2 BPE, as nanoGPT assumes.
 """
 
+import io
 import json
 import os
+import pickle
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
 from machinery.errors import UserError
 from machinery.fileio import atomic_write, read_json_object
-from machinery.safe_pickle import read_plain_pickle
 from machinery.tokenizer import GPT2_VOCAB_SIZE, CharTokenizer, GPT2Tokenizer
 
 FILENAME = "meta.json"
@@ -121,6 +122,36 @@ def _from_nanogpt_pickle(path):
         raise UserError(f"{path} is not a nanoGPT character meta.pkl (a dict with vocab_size and itos of single "
                         f"characters); give a meta.json with --meta, or prepare the dataset here")
     return DatasetMeta.of(CharTokenizer("".join(itos[i] for i in range(vocab))), source=path)
+
+
+class _Refused(Exception):
+    """The pickle asks for more than plain data."""
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles what pickle encodes directly (dict, list, tuple, set, str, bytes, numbers, bool, None) and refuses
+    everything else before it runs: every way a pickle reaches a callable (GLOBAL, STACK_GLOBAL, INST, OBJ, EXT*)
+    goes through find_class."""
+
+    def find_class(self, module, name):
+        raise _Refused(f"it asks to import {module}.{name}")
+
+    def persistent_load(self, pid):
+        raise _Refused("it uses persistent ids")
+
+
+def read_plain_pickle(path):
+    """The plain data (dicts, lists, strings, numbers) pickled in path; anything that would import is refused."""
+    try:
+        with open(path, "rb") as f:
+            return _PlainUnpickler(io.BytesIO(f.read())).load()
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror})") from None
+    except _Refused as e:
+        raise UserError(f"refusing to load {path}: {e}, and it should hold only plain data (nothing in it was "
+                        f"run); use a file from a source you trust") from None
+    except Exception as e:  # truncated or not a pickle at all: EOFError, ValueError, ...
+        raise UserError(f"{path} is not a readable pickle ({type(e).__name__}); prepare the dataset again") from None
 
 
 def write(meta, directory):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from machinery import dataset, distributed
-from machinery.batches import whole_split_batches
+from machinery.dataset import whole_split_batches
 from machinery.errors import UserError, first_line
 from machinery.fileio import atomic_write, read_text
 
@@ -203,7 +203,7 @@ def text_loss(model, ids, device, ctx=nullcontext(), batch_size=8, world=distrib
 
     With B = block_size, the ids are cut into consecutive windows that overlap by one token: window k
     is ids[kB : kB + B + 1]; the model reads its first B tokens (fewer in the last window) and predicts
-    each one's successor (batches.whole_split_batches with its tail). So every token after the first is
+    each one's successor (dataset.whole_split_batches with its tail). So every token after the first is
     predicted exactly once, and token j (j >= 1) from the tokens ids[B * ((j - 1) // B) : j], 1 to B tokens
     of context: the first prediction of each window sees one token, the last sees B (no sliding window: one
     forward pass per B tokens). Under torchrun (world) the batches are split over the ranks and the sums

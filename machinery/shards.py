@@ -13,7 +13,7 @@ fixed token count, even inside a document. ShardedTokens therefore behaves like
 the single array of that stream (as if the shards were concatenated into one
 train.bin), and a training window may run across a shard boundary exactly as it
 may run across a document boundary inside a shard. That keeps windows uniform by
-token over the whole split and lets batches.BatchSampler use it unchanged: the same
+token over the whole split and lets dataset.BatchSampler use it unchanged: the same
 generator state draws the same windows as a concatenated file would, so exact
 resume keeps working.
 """
@@ -125,7 +125,7 @@ class ShardedTokens:
     """Several shards seen as the one token array of their concatenation, in the order given.
 
     Supports len(), an int, a slice with step 1, and an integer numpy array of any shape (the gather
-    data[starts[:, None] + arange(block + 1)] of batches._windows); the result is uint16 like a memmap's.
+    data[starts[:, None] + arange(block + 1)] of dataset._windows); the result is uint16 like a memmap's.
     Each shard is memory-mapped, so only the gathered tokens are read."""
 
     dtype = np.dtype(np.uint16)

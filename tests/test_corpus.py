@@ -1,4 +1,4 @@
-"""corpus.py: documents from parquet / JSON lines / .txt files into GPT-2 shards, read back by hand;
+"""corpus.py and documents.py: documents from parquet / JSON lines / .txt files into GPT-2 shards, read back by hand;
 the same bytes on 1 or 4 processes and after an interrupted run; a corpus under two shards split 10 % /
 90 % with no flag, and trained from; bad input stops with one line."""
 
@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import assert_one_error_line, assert_one_line, run_in_process, tiny_train_args, train
-from machinery import corpus
+from machinery import corpus, documents
 from machinery.errors import UserError
 from machinery.tokenizer import gpt2_encoding
 import prepare as prepare_script
@@ -67,7 +67,7 @@ def shard_files(out):
 
 
 def prepare(src, out, num_proc=1, shard_tokens=SHARD):
-    return corpus.prepare_corpus(corpus.LocalSource(src), out, out.name, shard_tokens, num_proc, progress=False)
+    return corpus.prepare_corpus(documents.LocalSource(src), out, out.name, shard_tokens, num_proc, progress=False)
 
 
 def files_bytes(out):
@@ -187,7 +187,7 @@ def test_bad_json_line_and_too_small_corpus(tmp_path):
     assert_one_line(e, "only 2 tokens", "--shard_tokens 1 or less")
     for bad in (dict(shard_tokens=0), dict(num_proc=0)):
         with pytest.raises(UserError) as e:
-            corpus.prepare_corpus(corpus.LocalSource(src), tmp_path / "out" / "ds", "ds", **bad)
+            corpus.prepare_corpus(documents.LocalSource(src), tmp_path / "out" / "ds", "ds", **bad)
         assert f"--{next(iter(bad))}" in str(e.value)
     assert_nothing_written(tmp_path / "out")
 
@@ -235,12 +235,12 @@ def test_hub_source_reads_the_subset_files_in_order(tmp_path, monkeypatch):
     monkeypatch.setattr(hub.HfApi, "list_repo_files", lambda self, repo_id, repo_type=None, revision=None:
                         ["README.md", *files])
     monkeypatch.setattr(hub, "hf_hub_download", download)
-    source = corpus.HubSource(*corpus.HUB_CORPORA["fineweb_edu"])
+    source = documents.HubSource(*corpus.HUB_CORPORA["fineweb_edu"])
     assert list(source.documents()) == docs
     assert fetched == ["sample/10BT/000_00000.parquet", "sample/10BT/001_00000.parquet"]
     # a resumed run fetches the files it skips again (hf_hub_download finds them in its cache) for their row counts
     assert list(source.documents(skip=25)) == docs[25:] and fetched[2:] == fetched[:2]
-    assert list(corpus.HubSource("HuggingFaceFW/fineweb-edu", "CC-MAIN-2024-10").documents()) == ["a dump"]
+    assert list(documents.HubSource("HuggingFaceFW/fineweb-edu", "CC-MAIN-2024-10").documents()) == ["a dump"]
 
 
 # ---------------------------------------------------------------------------- a corpus under two shards

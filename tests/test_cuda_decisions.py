@@ -17,7 +17,7 @@ import torch
 from conftest import assert_one_error_line, tiny_train_args
 from conftest import train as train_in_process
 from machinery import checkpoint, distributed, hardware
-from machinery.batches import BatchSampler
+from machinery.dataset import BatchSampler
 from machinery.configurator import parse
 from machinery.distributed import World
 from machinery.errors import UserError

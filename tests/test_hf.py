@@ -6,9 +6,14 @@ gains 1, biases 0, small matrices), so that a mistake (an untransposed square Co
 a bias left out, the wrong GELU) moves the logits far more than the 1e-4 tolerance.
 """
 
+import hashlib
+import http.server
 import json
 import shutil
+import sys
+import threading
 
+import huggingface_hub
 import pytest
 import torch
 
@@ -50,6 +55,57 @@ def copy_dir(src, dst):
     return dst
 
 
+class FakeHub(http.server.BaseHTTPRequestHandler):
+    """The two requests huggingface_hub's hf_hub_download makes of the Hugging Face Hub for a file (HEAD: its commit,
+    ETag and size; GET: its bytes), answered from one local directory (self.server.directory), at commit COMMIT."""
+    COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+    def do_HEAD(self):
+        self.answer(body=False)
+
+    def do_GET(self):
+        self.answer(body=True)
+
+    def answer(self, body):
+        data = (self.server.directory / self.path.rsplit("/", 1)[-1]).read_bytes()  # /<repo>/resolve/main/<file>
+        self.send_response(200)
+        for header, value in (("X-Repo-Commit", self.COMMIT), ("ETag", f'"{hashlib.sha256(data).hexdigest()}"'),
+                              ("Content-Length", str(len(data)))):
+            self.send_header(header, value)
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache that huggingface_hub uses (HF_HUB_CACHE, as a user sets it, and the constant
+    huggingface_hub read from it when it was imported), and a function that downloads a directory's files into it
+    as a hub repository, through huggingface_hub's own hf_hub_download from a local FakeHub: the cache's layout
+    (blobs, snapshots of symlinks, refs/main) is the library's, not this project's idea of it."""
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+
+    def download(directory, repo_id, files=("config.json", "model.safetensors")):
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+        server.directory = directory
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            for name in files:
+                huggingface_hub.hf_hub_download(repo_id, name, cache_dir=cache, etag_timeout=30,
+                                                endpoint=f"http://127.0.0.1:{server.server_port}")
+        finally:
+            server.shutdown()
+            thread.join(timeout=30)
+
+    return download
+
+
 # ---------------------------------------------------------------------- loading
 
 
@@ -64,10 +120,10 @@ def test_load_hf_safetensors_matches_transformers(hf_dir):
     torch.testing.assert_close(our_logits(ours, idx), expected, atol=TOL, rtol=0)
 
 
-def test_gpt_from_pretrained_as_nanogpt_users_call_it(tmp_path, hf_dir, monkeypatch):
+def test_gpt_from_pretrained_as_nanogpt_users_call_it(hf_dir, hub_cache):
     """nanoGPT's API, `from model import GPT; GPT.from_pretrained(...)`, with a Hugging Face directory's path or
-    a GPT-2 size (here from a local hub cache): transformers' logits. (model.py imports nothing of ours:
-    tests/test_layout.py.)"""
+    a GPT-2 size (here from a Hugging Face cache that huggingface_hub wrote): transformers' logits. (model.py imports
+    nothing of ours: tests/test_layout.py.)"""
     from model import GPT
 
     path, hf = hf_dir
@@ -81,8 +137,7 @@ def test_gpt_from_pretrained_as_nanogpt_users_call_it(tmp_path, hf_dir, monkeypa
     with pytest.raises(ValueError, match=r"override_args may only set dropout, got \['n_layer'\]"):
         GPT.from_pretrained(str(path), dict(n_layer=1))
 
-    copy_dir(path, tmp_path / "hub" / "models--openai-community--gpt2" / "snapshots" / "0123abcd")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub_cache(path, "openai-community/gpt2")
     torch.testing.assert_close(our_logits(GPT.from_pretrained("gpt2"), idx), hf_logits(hf, idx), atol=TOL, rtol=0)
     with pytest.raises(ValueError, match="gpt2-xl is not in the local Hugging Face cache"):
         GPT.from_pretrained("gpt2-xl")
@@ -105,21 +160,32 @@ def test_load_hf_pytorch_model_bin_in_openai_layout(tmp_path, hf_dir):
     torch.testing.assert_close(our_logits(ours, idx), hf_logits(hf, idx), atol=TOL, rtol=0)
 
 
-def test_gpt2_name_loads_from_the_local_hub_cache(tmp_path, hf_dir, monkeypatch):
+@pytest.mark.parametrize("repo_id", ["openai-community/gpt2", "gpt2"])  # (gpt2's name before openai-community/)
+def test_gpt2_name_loads_from_the_local_hub_cache(tmp_path, hf_dir, hub_cache, repo_id):
+    """gpt2 by name: the snapshot huggingface_hub downloaded (under either repository name) and refs/main points
+    to; a snapshot without weights does not count; a size that is not there is a one-line error."""
     path, hf = hf_dir
-    cache = tmp_path / "hub"
-    snap = cache / "models--openai-community--gpt2" / "snapshots" / "0123abcd"
-    copy_dir(path, snap)
-    (cache / "models--openai-community--gpt2" / "refs").mkdir()
-    (cache / "models--openai-community--gpt2" / "refs" / "main").write_text("0123abcd")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    hub_cache(path, "openai-community/gpt2", files=["config.json"])  # (an interrupted download: no weights)
+    with pytest.raises(UserError, match="gpt2 is not in the local Hugging Face cache"):
+        convert.load_hf("gpt2")
+    hub_cache(path, repo_id)
+    assert (tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}" / "refs" / "main").read_text() == \
+        FakeHub.COMMIT
     ours = convert.load_hf("gpt2")
     direct = convert.load_hf(str(path))
     for k, v in direct.state_dict().items():
         assert torch.equal(ours.state_dict()[k], v), k
     with pytest.raises(UserError, match="gpt2-xl is not in the local Hugging Face cache"):
         convert.load_hf("gpt2-xl")
+
+
+def test_a_gpt2_name_without_huggingface_hub_says_what_to_install(hf_dir, monkeypatch):
+    """huggingface_hub is optional: without it a GPT-2 size is a one-line ValueError naming the package (a directory
+    still loads)."""
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # `import huggingface_hub` now raises ImportError
+    with pytest.raises(ValueError, match=r"finding gpt2 in the Hugging Face cache needs huggingface_hub \(pip install"):
+        GPT.from_pretrained("gpt2")
+    assert GPT.from_pretrained(str(hf_dir[0])).config.n_layer == 2
 
 
 @pytest.mark.parametrize("change, message", [

@@ -4,6 +4,8 @@ ours; no function is longer than 60 lines; README's machinery table names every 
 
 import ast
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -119,3 +121,10 @@ def test_the_readme_table_lists_each_file_of_the_machinery_once_a_row():
     listed = [n[0] for n in names]
     assert len(listed) == len(set(listed)) and set(listed) == files, (sorted(files - set(listed)),
                                                                       sorted(set(listed) - files))
+
+
+def test_prepare_py_imports_no_torch():
+    # prepare.py and its tokenizer workers do without torch (BENCHMARKS.md: the memory it cost), though dataset.py,
+    # which it imports for the dataset's directory, also draws the training batches (importing torch inside)
+    code = "import sys, prepare; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120).returncode == 0

@@ -205,3 +205,18 @@ def test_config_errors_name_the_field():
         GPT(tiny_config(vocab_size=0))
     with pytest.raises(ValueError, match="mlp_ratio must be a positive integer, got 0"):
         GPT(tiny_config(mlp_ratio=0))
+
+
+def test_load_weights_names_what_does_not_fit():
+    """load_weights (checkpoints, GPT.from_pretrained): a weight of another shape, or a missing or unknown one, is a
+    ValueError that names it; a compiled model's `_orig_mod.` prefixes and the tied lm_head are accepted."""
+    model = GPT(tiny_config())
+    state = GPT(tiny_config()).state_dict()
+    model.load_weights({f"_orig_mod.{k}": v for k, v in state.items() if k != "lm_head.weight"})
+    assert torch.equal(model.tok_emb.weight, state["tok_emb.weight"]) and model.lm_head.weight is model.tok_emb.weight
+    longer = GPT(tiny_config(block_size=24)).state_dict()
+    with pytest.raises(ValueError, match=r"do not fit the model: size mismatch for pos_emb\.weight: .*\[24, 32\]"
+                                         r".*\[16, 32\]"):
+        model.load_weights(longer)
+    with pytest.raises(ValueError, match=r"do not match the model: missing \['ln_f.weight'\], unexpected \['x'\]"):
+        model.load_weights({k: v for k, v in state.items() if k != "ln_f.weight"} | {"x": torch.zeros(1)})

@@ -11,7 +11,7 @@ import torch
 
 from conftest import assert_one_line
 from machinery import dataset, shards
-from machinery.batches import BatchSampler
+from machinery.dataset import BatchSampler
 from machinery.errors import UserError
 from machinery.meta import from_path as read_meta_file
 

@@ -16,7 +16,7 @@ import torch
 
 from conftest import (ROOT, assert_one_error_line, finish, kill_tree, load_checkpoint, read_lines, tiny_train_args,
                       train, wait_for_line)
-from machinery.stopping import StopFlag
+from machinery.distributed import StopFlag
 
 
 def start(spawn, script, *args):

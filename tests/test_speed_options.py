@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 from conftest import ROOT, run_in_process, tiny_train_args
 from machinery import configurator, distributed
-from machinery.batches import whole_split_batches
+from machinery.dataset import whole_split_batches
 from machinery.dataset import load_split
-from machinery.stopping import StopFlag
+from machinery.distributed import StopFlag
 from model import GPT, GPTConfig
 from optimizers import build_optimizer
 import train

@@ -1,6 +1,6 @@
 """train.py's optimizer step against the same step written out here: the initial weights, the batches, gradient
 accumulation, clipping, AdamW's two groups and the warmup learning rate, each from its definition (torch.optim.AdamW
-and torch's RNG, not train.py, optimizers.py or batches.py)."""
+and torch's RNG, not train.py, optimizers.py or dataset.py)."""
 
 import json
 import math
