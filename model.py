@@ -1,10 +1,8 @@
 """
-The GPT language model, all of it in this one file.
-
-GPTConfig -> Head -> MultiHeadAttention -> FeedForward -> Block -> GPT: GPT-2's architecture (pre-LayerNorm
-blocks, learned position embedding, tied embeddings, GELU MLP) with one option GPT-2 lacks (`qk_norm`), and
-nanoGPT's API: `GPT(GPTConfig(...))`, `model(idx, targets)`, `generate`, `estimate_mfu`, `GPT.from_pretrained`.
-Imports nothing else of the project.
+The GPT language model, all of it in this one file: GPTConfig -> Head -> MultiHeadAttention -> FeedForward -> Block
+-> GPT. GPT-2's architecture (pre-LayerNorm blocks, learned position embedding, tied embeddings, GELU MLP) with one
+option GPT-2 lacks (`qk_norm`), and nanoGPT's API: `GPT(GPTConfig(...))`, `model(idx, targets)`, `generate`,
+`estimate_mfu`, `GPT.from_pretrained`. Imports nothing else of the project.
 """
 
 import json
@@ -33,69 +31,28 @@ class GPTConfig:
     qk_norm: bool = False  # normalise each head's queries and keys (not in GPT-2; see MultiHeadAttention)
     mlp_ratio: int = 4  # the MLP's hidden width in multiples of n_embd (GPT-2: 4)
 
-    # What the fields are to the code around the model, which derives its lists from these (a new field
-    # belongs to none of them by default: it must match on resume, and models that change it do not export):
+    # what the fields are to the code around the model (a new field is in none: it must match on resume)
     PER_RUN = ("dropout",)  # may change when a run resumes or finetunes a model: the weights do not depend on it
     NOT_IN_GPT2 = ("qk_norm",)  # GPT-2's config.json cannot say it: a model with another value cannot be exported
     NOT_IN_NANOGPT = ("gelu", "qk_norm", "mlp_ratio")  # nanoGPT's GPTConfig has no such field (it has the defaults)
 
     def validate(self):
-        """Raise ValueError naming the first field that cannot build a model.
-        The one place that checks the model's settings: train.py turns the ValueError into a one-line error."""
+        """Raise ValueError naming the first field that cannot build a model (the one check of the settings)."""
         for name in [f.name for f in fields(self) if f.type is int]:  # sizes and counts
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head != 0:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
-                             f"pick n_embd as a multiple of n_head")
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); pick a multiple")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.gelu not in ("none", "tanh"):
             raise ValueError(f"gelu must be 'none' or 'tanh', got {self.gelu!r}")
 
 
-class KVCache:
-    """The keys and values of every layer for the positions seen so far, for generate().
-
-    Allocated up front, so decoding allocates nothing per token and a compiled model
-    sees the same buffers at every step. `pos` is the number of positions filled,
-    which is also the position of the next token. (The generation engine keeps its
-    own, one row per request: machinery/engine.py.)
-    """
-
-    def __init__(self, config, batch_size, dtype, device):
-        # block_size positions and one spare: a slice [:end] is then never the whole buffer,
-        # a case that torch.compile would otherwise specialise (one more graph to compile)
-        shape = (batch_size, config.n_head, config.block_size + 1, config.n_embd // config.n_head)
-        # empty, not zeros: only the positions filled so far are ever read
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.block_size = config.block_size
-        self.pos = 0
-
-    def positions(self, T, device):
-        """The positions of T new tokens: (T,), the same in every row."""
-        if self.pos + T > self.block_size:
-            raise ValueError(f"cannot forward {self.pos + T} positions, block_size is only {self.block_size}")
-        return torch.arange(self.pos, self.pos + T, dtype=torch.long, device=device)
-
-    def attend(self, layer, q, k, v, heads):
-        """Store k, v (B, nh, T, hs) at positions pos..pos+T-1; the heads' attention of q over every position."""
-        start, end = self.pos, self.pos + k.size(2)
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return heads(q, self.k[layer][:, :, :end], self.v[layer][:, :, :end])
-
-    def advance(self, T):
-        self.pos += T
-
-
 class Head(nn.Module):
-    """Causal scaled dot-product attention of every head at once: softmax(QK^T / sqrt(head_size)) V.
-    It holds no weights: MultiHeadAttention projects the queries, keys and values of all heads with one
-    matrix and passes them as (B, n_head, T, head_size), the heads a batch dimension (the articles' n_head
-    Heads, computed in one call; PyTorch's kernel picks flash attention on CUDA)."""
+    """Causal scaled dot-product attention, softmax(QK^T / sqrt(head_size)) V, of every head at once: the n_head
+    Heads of the articles in one call, q, k, v (B, n_head, T, head_size) projected by MultiHeadAttention."""
 
     def __init__(self, dropout):
         super().__init__()
@@ -103,24 +60,18 @@ class Head(nn.Module):
 
     def forward(self, q, k, v, mask=None):
         if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-            # PyTorch's CPU attention kernels are several times slower in bfloat16 (and 2x in float16) than in
-            # float32 (BENCHMARKS.md), so attend in float32, with autocast off (it would cast back)
+            # PyTorch's CPU attention is slower in 16 bits than in float32 (BENCHMARKS.md): float32, autocast off
             with torch.autocast("cpu", enabled=False):
                 return self(q.float(), k.float(), v.float(), mask).to(q.dtype)
-        # q holds the newest Tq positions, k and v all Tk positions seen so far
-        # (Tk > Tq only when decoding with a KV cache).
-        Tq, Tk = q.size(-2), k.size(-2)
+        Tq, Tk = q.size(-2), k.size(-2)  # q: the newest Tq positions; k, v: all Tk so far (Tk > Tq: a KV cache)
         dropout_p = self.dropout if self.training else 0.0
         if mask is not None:  # (B, 1, Tq, Tk): which positions each query sees (a cache of fixed size)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-        if Tq == 1:
-            # one new token may look at every position so far (checked first, so that a compiled
-            # model decodes with one graph whatever the number of cached positions)
+        if Tq == 1:  # one new token sees every position (first: a compiled model decodes with one graph)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
         if Tq == Tk:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        # several new tokens after a cached prefix: query i sits at position Tk-Tq+i
-        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)  # query i: position Tk-Tq+i
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
@@ -133,8 +84,7 @@ class MultiHeadAttention(nn.Module):
         self.head_size = config.n_embd // config.n_head
         self.qk_norm = config.qk_norm
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # W_Q, W_K, W_V of all heads
-        # one Head module computes every head's attention at once: the heads are a batch dimension
-        self.heads = Head(config.dropout)
+        self.heads = Head(config.dropout)  # every head's attention at once: the heads are a batch dimension
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -142,9 +92,8 @@ class MultiHeadAttention(nn.Module):
         B, T, C = x.size()
         q, k, v = (t.view(B, T, self.n_head, self.head_size) for t in self.qkv(x).split(C, dim=2))
         if self.qk_norm:
-            # QK-norm: each head's query and key normalised (a LayerNorm without gain over head_size), so
-            # the attention logits stay bounded however large the weights grow and large steps are safe
-            # (modded-nanogpt uses RMSNorm; LayerNorm learns as well and is a fused kernel on the CPU)
+            # QK-norm (as modded-nanogpt, with LayerNorm: a fused kernel on the CPU): each head's query and key
+            # normalised, so the attention logits stay bounded however large the weights grow
             q, k = F.layer_norm(q, (self.head_size,)), F.layer_norm(k, (self.head_size,))
         # (B, T, n_head, head_size) -> (B, n_head, T, head_size): the heads become a batch dimension
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -200,36 +149,27 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # weight tying: the output projection is the token embedding (fewer parameters, better loss)
-        self.lm_head.weight = self.tok_emb.weight
-
+        self.lm_head.weight = self.tok_emb.weight  # weight tying: fewer parameters, better loss
         self.apply(self._init_weights)
-        # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2*n_layer),
-        # since each block adds two of them and the stream's variance grows with every addition
+        # GPT-2: the projections into the residual stream scaled by 1/sqrt(2*n_layer) (two additions a block)
         for name, p in self.named_parameters():
             if name.endswith("attn.proj.weight") or name.endswith("ffwd.proj.weight"):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
 
     def get_num_params(self, non_embedding=True):
-        """Number of parameters, by default without the position embedding (the token embedding is also the
-        output layer, so it counts)."""
+        """Number of parameters, by default without the position embedding (the token one is the output layer too)."""
         n_params = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n_params -= self.pos_emb.weight.numel()
-        return n_params
+        return n_params - (self.pos_emb.weight.numel() if non_embedding else 0)
 
     def forward(self, idx, targets=None, kv_cache=None, every_position=False):
-        """The logits of the tokens idx (B, T), and their mean cross-entropy with targets.
-        Without targets only the last position's logits are computed (generation needs no more), unless
-        every_position (scoring)."""
+        """The logits of the tokens idx (B, T) (without targets, only the last position's unless every_position), and
+        their mean cross-entropy with targets."""
         B, T = idx.size()
         if kv_cache is None:
             if T > self.config.block_size:
@@ -243,89 +183,54 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         if kv_cache is not None:
             kv_cache.advance(T)
-
-        if targets is not None or every_position:
-            logits = self.lm_head(x)
-            loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
-                                                                ignore_index=-1)
-        else:
-            # inference: only the last position's logits are needed (the slice -1: keeps the time dim)
-            logits = self.lm_head(x[:, -1:, :])
-            loss = None
+        # inference: only the last position's logits are needed (the slice -1: keeps the time dim)
+        logits = self.lm_head(x if targets is not None or every_position else x[:, -1:, :])
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                                                            ignore_index=-1)
         return logits, loss
-
-    # ------------------------------------------------------------------ generation
 
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                  stop_tokens=None, generator=None, use_cache=True, vocab_size=None):
-        """idx (B, T) extended by up to max_new_tokens tokens, (B, T + n), as nanoGPT's generate (model.eval() first).
-        temperature 0 is greedy; generation ends once every row has produced one of stop_tokens (a row that stopped
-        is padded with its stop token); use_cache=False re-runs the whole context for every token, as nanoGPT does
-        (the same tokens, slower); vocab_size keeps the tokens to a tokenizer's (e.g. 50257 of a padded 50304)."""
-        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p,
-                                        stop_tokens, generator, use_cache, vocab_size))
-        return torch.cat([idx] + [tok[:, None] for tok in new], dim=1)
-
-    @torch.inference_mode()
-    def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                        stop_tokens=None, generator=None, use_cache=True, vocab_size=None):
-        """Like generate, but yields each new column of tokens, shape (B,), as soon as it is sampled."""
+        """idx (B, T) extended by up to max_new_tokens tokens, as nanoGPT's generate (model.eval() first). temperature 0
+        is greedy; it ends once every row has drawn one of stop_tokens (then repeated); use_cache=False runs the whole
+        context for every token, as nanoGPT (the same tokens, slower); vocab_size: a tokenizer's, under a padded one."""
         block_size = self.config.block_size
-        seq = idx[:, -block_size:]
-        cache = None
-        if use_cache:
-            cache = KVCache(self.config, idx.size(0), self.cache_dtype(idx.device), idx.device)
-        stops = torch.tensor(sorted(stop_tokens), device=idx.device) if stop_tokens else None
+        cache = KVCache(self.config, idx.size(0), self.cache_dtype(idx.device), idx.device) if use_cache else None
+        stops = torch.tensor(sorted(stop_tokens or ()), dtype=torch.long, device=idx.device)
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-        fill = torch.zeros(idx.size(0), dtype=torch.long, device=idx.device)
         for _ in range(max_new_tokens):
-            logits = self.next_logits(seq, cache)[:, :vocab_size]
-            tok = sample_next(logits, temperature, top_k, top_p, generator)
-            if stops is not None:
-                tok = torch.where(done, fill, tok)
-                hit = torch.isin(tok, stops) & ~done
-                fill = torch.where(hit, tok, fill)
-                done = done | hit
-            # the last block_size tokens are all the next step can see; one more tells it the window slid
-            seq = torch.cat((seq[:, -block_size:], tok[:, None]), dim=1)
-            yield tok
-            if stops is not None and bool(done.all()):
-                return
+            # the last block_size tokens are all the model can see; one more tells next_logits the window slid
+            tok = sample_next(self.next_logits(idx[:, -block_size - 1:], cache)[:, :vocab_size], temperature, top_k,
+                              top_p, generator)
+            tok = torch.where(done, idx[:, -1], tok)  # a row that stopped repeats its stop token
+            done |= torch.isin(tok, stops)
+            idx = torch.cat((idx, tok[:, None]), dim=1)
+            if stop_tokens and bool(done.all()):
+                break
+        return idx
 
     @torch.inference_mode()
     def next_logits(self, seq, cache=None):
-        """Logits (B, vocab_size), in float32, for the token that follows seq (B, T).
-        The model sees the last block_size tokens of seq at positions 0..block_size-1, as nanoGPT's generate does:
-        without a cache, that whole window; with one, only the tokens the cache has not seen (it must hold a prefix
-        of seq, as it does when seq grows by some tokens between calls)."""
+        """Float32 logits (B, vocab_size) of the token after seq (B, T), whose last block_size tokens the model sees at
+        positions 0.. as nanoGPT's generate: with a cache (of a prefix of seq), only the tokens it has not seen. Past
+        block_size every kept token moves to a new position: the window is encoded again (exact, one full pass)."""
         block_size = self.config.block_size
-        if cache is None:
-            new = seq[:, -block_size:]  # nanoGPT's way: the whole context again for every token
-        elif seq.size(1) > block_size:
-            # Past block_size the window slides: every kept token moves to a new position, so
-            # the cached keys (which carry their old positions) are stale and the window is
-            # encoded again. This keeps the exact semantics at the cost of one full pass.
+        if cache is not None and seq.size(1) > block_size:
             cache.pos = 0
-            new = seq[:, -block_size:]
-        else:
-            if cache.pos >= seq.size(1):
-                raise ValueError(f"the cache already holds {cache.pos} positions; seq has only {seq.size(1)}")
-            new = seq[:, cache.pos:]
-        # a fresh contiguous copy: a compiled model then sees the same strides at every step
-        # (a slice of the growing seq would change them and trigger recompiles)
+        if cache is not None and cache.pos >= seq.size(1):
+            raise ValueError(f"the cache already holds {cache.pos} positions; seq has only {seq.size(1)}")
+        new = seq[:, -block_size:] if cache is None or cache.pos == 0 else seq[:, cache.pos:]
+        # (a fresh contiguous copy: a compiled model sees the same strides at every step, no recompiles)
         logits, _ = self(new.clone(memory_format=torch.contiguous_format), kv_cache=cache)
         return logits[:, -1, :].float()
 
     def cache_dtype(self, device):
-        """The dtype of a KV cache: autocast's, else the weights'.
-        But float32 for bfloat16 or float16 on the CPU, where Head attends in float32 (so only the new token's
-        keys and values are cast, not the whole cache)."""
-        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) \
-            else self.tok_emb.weight.dtype
-        return torch.float32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else dtype
-
-    # ------------------------------------------------------------------ sizes, MFU and GPT-2's weights
+        """A KV cache's dtype: float32 on the CPU (where Head attends in float32), else autocast's or the weights'."""
+        if device.type == "cpu":
+            return torch.float32
+        on = torch.is_autocast_enabled(device.type)
+        return torch.get_autocast_dtype(device.type) if on else self.tok_emb.weight.dtype
 
     def crop_block_size(self, block_size):
         """Shrink the context, e.g. to finetune GPT-2 (block 1024) with a smaller block_size."""
@@ -334,20 +239,16 @@ class GPT(nn.Module):
         self.pos_emb.weight = nn.Parameter(self.pos_emb.weight[:block_size])
 
     def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=312e12):
-        """Model FLOPs utilisation: achieved FLOP/s over peak_flops (default A100 bf16, as nanoGPT).
-        FLOPs per token from the PaLM paper, appendix B."""
+        """Model FLOPs utilisation: achieved FLOP/s over peak_flops (A100 bf16, as nanoGPT); PaLM's FLOPs per token."""
         cfg = self.config
-        N = self.get_num_params()
         L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
-        flops_per_token = 6 * N + 12 * L * H * Q * T
-        flops_per_iter = flops_per_token * T * fwdbwd_per_iter
-        return flops_per_iter / dt / peak_flops
+        flops_per_token = 6 * self.get_num_params() + 12 * L * H * Q * T
+        return flops_per_token * T * fwdbwd_per_iter / dt / peak_flops
 
     @classmethod
     def from_pretrained(cls, name_or_path, override_args=None):
-        """GPT-2's published weights, as nanoGPT's GPT.from_pretrained("gpt2", dict(dropout=0.1)).
-        gpt2, gpt2-medium, gpt2-large or gpt2-xl from the local Hugging Face cache (no download), or a Hugging Face
-        GPT-2 directory; override_args may set dropout only. ValueError says what is wrong with the name or files."""
+        """GPT-2's weights, as nanoGPT's GPT.from_pretrained("gpt2", dict(dropout=0.1)): gpt2 ... gpt2-xl from the local
+        Hugging Face cache, or a Hugging Face GPT-2 directory. ValueError says what is wrong with the name or files."""
         override_args = dict(override_args or {})
         if set(override_args) - {"dropout"}:
             raise ValueError(f"override_args may only set dropout, got {sorted(override_args)}")
@@ -357,8 +258,8 @@ class GPT(nn.Module):
         return model
 
     def load_weights(self, state):
-        """Copy in a state dict of our layout; ValueError when it does not fit this model.
-        torch.compile's `_orig_mod.` prefixes and the tied lm_head may be there or not."""
+        """Copy in a state dict of our layout (with or without torch.compile's `_orig_mod.` prefixes and the tied
+        lm_head); ValueError when it does not fit this model."""
         try:
             missing, unexpected = self.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state.items()},
                                                        strict=False)
@@ -369,10 +270,35 @@ class GPT(nn.Module):
             raise ValueError(f"the weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
+class KVCache:
+    """The keys and values of every layer for the positions seen so far, for generate() (the engine has its own).
+    Allocated up front, with a spare position (torch.compile would specialise a slice of the whole buffer)."""
+
+    def __init__(self, config, batch_size, dtype, device):
+        shape = (batch_size, config.n_head, config.block_size + 1, config.n_embd // config.n_head)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.block_size, self.pos = config.block_size, 0  # pos: positions filled, the next token's position
+
+    def positions(self, T, device):
+        """The positions of T new tokens: (T,), the same in every row."""
+        if self.pos + T > self.block_size:
+            raise ValueError(f"cannot forward {self.pos + T} positions, block_size is only {self.block_size}")
+        return torch.arange(self.pos, self.pos + T, dtype=torch.long, device=device)
+
+    def attend(self, layer, q, k, v, heads):
+        """Store k, v (B, nh, T, hs) at positions pos..pos+T-1; the heads' attention of q over every position."""
+        end = self.pos + k.size(2)
+        self.k[layer][:, :, self.pos:end], self.v[layer][:, :, self.pos:end] = k, v
+        return heads(q, self.k[layer][:, :, :end], self.v[layer][:, :, :end])
+
+    def advance(self, T):
+        self.pos += T
+
+
 def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
-    """Logits (B, V) scaled by temperature, with what top_k / top_p leave out masked to -inf.
-    temperature must be > 0 here (0 means greedy, handled by sample_next); top_k above the vocabulary size keeps
-    everything; top_p keeps the smallest set of most likely tokens whose probabilities add up to at least top_p."""
+    """Logits (B, V) divided by temperature (> 0), -inf where top_k, or top_p (the fewest most likely tokens whose
+    probabilities add up to top_p), leave a token out."""
     logits = logits.float() / temperature
     if top_k is not None:
         k = min(int(top_k), logits.size(-1))
@@ -390,28 +316,21 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None, u=None):
-    """One token per row of logits (B, V): the argmax when temperature is 0, else a draw from the filtered softmax.
-    The draw is one uniform number per row (u, (B, 1); drawn from generator when not given), looked up in the
-    cumulative probabilities (inverse transform sampling), not torch.multinomial, which draws a number for every
-    token of the vocabulary (BENCHMARKS.md, "Serving and decoding": its cost per step)."""
+    """One token per row of logits (B, V): the argmax when temperature is 0, else a draw from the filtered softmax by
+    one uniform number per row (u (B, 1), else from generator) in the cumulative probabilities (not torch.multinomial,
+    which draws a number per token of the vocabulary: BENCHMARKS.md, "Serving and decoding")."""
     if temperature < torch.finfo(torch.float32).tiny:  # 0, or so small that float32 would take it for 0: greedy
         return logits.argmax(dim=-1)
-    # each row's largest logit subtracted first (the softmax is the same): then no temperature, however small,
-    # overflows the division (the top logit stays 0, the others go to -inf at worst: greedy)
-    logits = logits.float()
+    logits = logits.float()  # minus each row's largest: no temperature, however small, overflows the division
     probs = F.softmax(filter_logits(logits - logits.amax(dim=-1, keepdim=True), temperature, top_k, top_p), dim=-1)
     cdf = probs.cumsum(dim=-1)
-    if u is None:
-        u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device)
-    u = u * cdf[:, -1:]
+    u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device) if u is None else u
     # the first token whose cumulative probability exceeds u (right: never a token of probability 0)
-    return torch.searchsorted(cdf, u, right=True).clamp(max=probs.size(-1) - 1).squeeze(-1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=probs.size(-1) - 1).squeeze(-1)
 
 
 # ---------------------------------------------------------------------- GPT-2's published weights
-# Hugging Face's GPT-2 files (and nanoGPT's checkpoints) hold our weights under other names: the one table of them,
-# read here and written by machinery/convert.py. Hugging Face stores a block's matrices as Conv1D, (in, out), the
-# transpose of nn.Linear's (out, in).
+# Their names for our weights: the one table, read here and written by machinery/convert.py (Conv1D: transposed).
 
 GPT2_SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 GPT2_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -420,31 +339,24 @@ GPT2_NAMES = {  # GPT-2's module -> ours; N: a block's number
     "transformer.h.N.ln_1": "blocks.N.ln1", "transformer.h.N.attn.c_attn": "blocks.N.attn.qkv",
     "transformer.h.N.attn.c_proj": "blocks.N.attn.proj", "transformer.h.N.ln_2": "blocks.N.ln2",
     "transformer.h.N.mlp.c_fc": "blocks.N.ffwd.fc", "transformer.h.N.mlp.c_proj": "blocks.N.ffwd.proj"}
-# Hugging Face's activation names: the tanh approximation under several names, or the exact GELU
 GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_python_tanh": "tanh", "gelu_fast": "tanh",
-             "gelu": "none", "gelu_python": "none"}
+             "gelu": "none", "gelu_python": "none"}  # Hugging Face's activation names -> GPTConfig.gelu
 
 
 def gpt2_weight(key, tensor, to_gpt2=False, conv1d=True):
-    """(name, tensor) of a weight in the other layout: GPT-2's for ours with to_gpt2, else ours for GPT-2's.
-    The name is None for a weight the table does not know; conv1d: a block's matrices are transposed."""
+    """(name, tensor) of a weight in the other layout (GPT-2's with to_gpt2, else ours); name None: not in the table."""
     table = {ours: theirs for theirs, ours in GPT2_NAMES.items()} if to_gpt2 else GPT2_NAMES
     module, _, param = key.rpartition(".")
     block = re.search(r"\.(\d+)\.", module)
     name = table.get(re.sub(r"\.\d+\.", ".N.", module, count=1))
-    if name is None:
-        return None, tensor
-    if block is None:
-        return f"{name}.{param}", tensor
-    # every matrix inside a block is a Conv1D in Hugging Face's GPT-2 (LayerNorm gains are vectors)
+    if name is None or block is None:
+        return (name and f"{name}.{param}"), tensor
     return f"{name.replace('.N.', block[0])}.{param}", (tensor.t() if conv1d and tensor.dim() == 2 else tensor)
 
 
 def from_gpt2_layout(state, conv1d, source):
-    """Our state dict from a Hugging Face (conv1d=True) or nanoGPT (conv1d=False) one.
-    Accepts torch.compile's `_orig_mod.` prefixes and keys without `transformer.` (GPT2Model's files, like OpenAI's
-    first gpt2 upload); skips the causal-mask buffers older code saved; refuses other unknown weights and an untied
-    output layer."""
+    """Our state dict from a Hugging Face (conv1d=True) or nanoGPT (conv1d=False) one; `_orig_mod.` prefixes, keys
+    without `transformer.` (GPT2Model's) and causal masks taken, other weights and an untied lm_head refused."""
     out, unknown = {}, []
     for key, tensor in state.items():
         key = key.removeprefix("_orig_mod.")
@@ -454,8 +366,8 @@ def from_gpt2_layout(state, conv1d, source):
         ours, tensor = gpt2_weight(key, tensor, conv1d=conv1d)
         if ours is None:
             unknown.append(key)
-        else:
-            out[ours] = tensor
+        out[ours] = tensor
+    out.pop(None, None)
     if unknown:
         raise ValueError(f"{source} has weights that GPT-2 does not have ({', '.join(unknown[:3])}); "
                          f"it is not a plain GPT-2 model")
@@ -472,10 +384,10 @@ def gpt2_config(directory, dropout=0.0):
     try:
         with open(path, encoding="utf-8") as f:
             hf = json.load(f)
-        if not isinstance(hf, dict):
-            raise ValueError(f"it holds a {type(hf).__name__}")
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not valid JSON holding an object ({e})") from None
+        hf = e
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} is not valid JSON holding an object ({hf})")
     act, n_embd, n_inner = hf.get("activation_function", "gelu_new"), hf.get("n_embd", 768), hf.get("n_inner")
     n_inner = 4 * n_embd if n_inner is None else n_inner  # None: GPT-2's 4 * n_embd
     why = next((why for wrong, why in [
@@ -486,7 +398,7 @@ def gpt2_config(directory, dropout=0.0):
         (not hf.get("scale_attn_weights", True), "scale_attn_weights is false (no 1/sqrt(head size) scale)"),
         (hf.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx is true (scaled by the layer)"),
         (hf.get("add_cross_attention"), "add_cross_attention is true (an encoder-decoder model)"),
-    ] if wrong), None)  # (reorder_and_upcast_attn changes only the precision of the attention scores: accepted)
+    ] if wrong), None)
     config = GPTConfig(block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
                        n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd, dropout=dropout,
                        bias=True, gelu=GPT2_GELU.get(act), mlp_ratio=n_inner // n_embd)
@@ -500,49 +412,39 @@ def gpt2_config(directory, dropout=0.0):
 
 
 def find_gpt2(name_or_path):
-    """The directory of a Hugging Face GPT-2 checkpoint: a path, or a GPT-2 size in the local Hugging Face cache.
-    huggingface_hub finds the cache (HF_HUB_CACHE, HF_HOME, ...) and the snapshot refs/main points to."""
-    if name_or_path in GPT2_SIZES:
-        try:
-            from huggingface_hub import constants, try_to_load_from_cache
-        except ImportError:
-            raise ValueError(f"finding {name_or_path} in the Hugging Face cache needs huggingface_hub (pip install "
-                             f"huggingface_hub==2.4.0), or give the path of a directory holding its files") from None
-        for repo in (f"openai-community/{name_or_path}", name_or_path):  # (the bare name: before openai-community)
-            config, *weights = (try_to_load_from_cache(repo, f) for f in ("config.json", *GPT2_WEIGHT_FILES))
-            if isinstance(config, str) and any(isinstance(w, str) for w in weights):
-                return os.path.dirname(config)
-        raise ValueError(f"{name_or_path} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); fetch it "
-                         f"once (hf download openai-community/{name_or_path} config.json model.safetensors) or give "
-                         f"the path of a directory holding them")
-    if os.path.isfile(os.path.join(name_or_path, "config.json")):
+    """The directory of a Hugging Face GPT-2 checkpoint: a path, or a GPT-2 size in the local Hugging Face cache."""
+    if name_or_path not in GPT2_SIZES:
+        if not os.path.isfile(os.path.join(name_or_path, "config.json")):
+            ours = any(os.path.isfile(os.path.join(name_or_path, f)) for f in ("ckpt.pt", "best.pt"))
+            raise ValueError(f"{name_or_path!r} is neither a GPT-2 size ({', '.join(GPT2_SIZES)}) nor a directory that "
+                             f"has config.json (a Hugging Face GPT-2 checkpoint)"
+                             f"{'; it holds a training checkpoint: sample it with --out_dir' if ours else ''}")
         return name_or_path
-    if os.path.isdir(name_or_path):
-        ours = any(os.path.isfile(os.path.join(name_or_path, f)) for f in ("ckpt.pt", "best.pt"))
-        hint = "; it holds a training checkpoint: sample it with --out_dir, resume it with init_from=resume"
-        raise ValueError(f"{name_or_path} has no config.json, so it is not a Hugging Face GPT-2 checkpoint"
-                         f"{hint if ours else ''}")
-    if os.path.exists(name_or_path):
-        raise ValueError(f"{name_or_path} is a file; give the directory holding config.json and model.safetensors")
-    raise ValueError(f"{name_or_path!r} is neither a GPT-2 size ({', '.join(GPT2_SIZES)}) nor an existing "
-                     f"directory with a Hugging Face GPT-2 checkpoint")
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+    except ImportError:
+        raise ValueError(f"finding {name_or_path} in the Hugging Face cache needs huggingface_hub (pip install "
+                         f"huggingface_hub==2.4.0), or give the path of a directory holding its files") from None
+    for repo in (f"openai-community/{name_or_path}", name_or_path):
+        config, *weights = (try_to_load_from_cache(repo, f) for f in ("config.json", *GPT2_WEIGHT_FILES))
+        if isinstance(config, str) and any(isinstance(w, str) for w in weights):
+            return os.path.dirname(config)
+    raise ValueError(f"{name_or_path} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); fetch it once "
+                     f"(hf download openai-community/{name_or_path}) or give the path of a directory holding it")
 
 
 def read_gpt2_weights(directory):
-    """The tensors of a Hugging Face checkpoint directory.
-    Read by safetensors, or by torch.load with weights_only=True (tensors and plain data only: no code runs)."""
+    """The tensors of a Hugging Face checkpoint directory, read by safetensors or torch.load(weights_only=True)."""
     from safetensors.torch import load_file
 
-    path = next((os.path.join(directory, f) for f in GPT2_WEIGHT_FILES if os.path.isfile(os.path.join(directory, f))),
-                None)
+    path = next((p for p in (os.path.join(directory, f) for f in GPT2_WEIGHT_FILES) if os.path.isfile(p)), None)
     if path is None:
         raise ValueError(f"{directory} has no weights ({' or '.join(GPT2_WEIGHT_FILES)})")
-    safetensors = path.endswith(".safetensors")
     try:
-        state = load_file(path) if safetensors else torch.load(path, map_location="cpu", weights_only=True)
+        state = load_file(path) if path.endswith(".safetensors") else torch.load(path, "cpu", weights_only=True)
     except Exception as e:  # a damaged file fails in many ways inside either reader
-        raise ValueError(f"{path} is not a readable {'safetensors' if safetensors else 'PyTorch'} file "
-                         f"({type(e).__name__})") from None
+        kind = "safetensors" if path.endswith(".safetensors") else "PyTorch"
+        raise ValueError(f"{path} is not a readable {kind} file ({type(e).__name__})") from None
     if not isinstance(state, dict):
         raise ValueError(f"{path} does not hold a dict of weights")
     return state

@@ -235,7 +235,7 @@ def test_untied_output_layer_is_refused(tmp_path):
 def test_malformed_directories_and_names(tmp_path, hf_dir):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(UserError, match="has no config.json"):
+    with pytest.raises(UserError, match="nor a directory that has config.json"):
         convert.load_hf(str(empty))
     bad_json = copy_dir(hf_dir[0], tmp_path / "bad_json")
     (bad_json / "config.json").write_text("{not json")
@@ -249,7 +249,7 @@ def test_malformed_directories_and_names(tmp_path, hf_dir):
     (corrupt / "model.safetensors").write_bytes(b"\x00" * 100)
     with pytest.raises(UserError, match="not a readable safetensors file"):
         convert.load_hf(str(corrupt))
-    with pytest.raises(UserError, match="is a file"):
+    with pytest.raises(UserError, match="nor a directory that has config.json"):
         convert.load_hf(str(hf_dir[0] / "config.json"))
     with pytest.raises(UserError, match="'gpt3' is neither a GPT-2 size"):
         convert.load_hf("gpt3")
@@ -259,7 +259,7 @@ def test_bad_init_from_is_one_line_and_exit_2(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
     assert_one_error_line(run_in_process(sample.main, f"--init_from={tmp_path / 'empty'}", "--device=cpu"),
-                          "has no config.json")
+                          "has config.json")
     assert_one_error_line(train_in_process("--init_from=gpt3", "--device=cpu", check=False), "init_from")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # nothing written
 
