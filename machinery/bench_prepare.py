@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from machinery import corpus
+from machinery import corpus, documents
 from machinery.errors import UserError
 from machinery.fileio import read_text
 from machinery.tokenizer import gpt2_encoding
@@ -197,15 +197,15 @@ def bench_prepare(cfg, workdir):
     num_proc = cfg.num_proc or os.cpu_count() or 1
     print(describe_machine(), flush=True)
     if cfg.input:
-        source = corpus.LocalSource(cfg.input)
+        source = documents.LocalSource(cfg.input)
         print(f"corpus: {cfg.input}, {sum(os.path.getsize(f) for f in source.files) / MIB:,.1f} MiB "
               f"in {len(source.files)} file(s)", flush=True)
     else:
         path = os.path.join(workdir, "synthetic.jsonl")
-        documents = write_synthetic_corpus(cfg.text_source, path, cfg.corpus_mb)
-        source = corpus.LocalSource(path)
+        count = write_synthetic_corpus(cfg.text_source, path, cfg.corpus_mb)
+        source = documents.LocalSource(path)
         print(f"corpus: synthetic JSON lines from {cfg.text_source}, {os.path.getsize(path) / MIB:,.1f} MiB, "
-              f"{documents:,} documents", flush=True)
+              f"{count:,} documents", flush=True)
     baseline = measure_tiktoken(source, num_proc)
     print(baseline.line(), flush=True)
     ours = measure_prepare(source, os.path.join(workdir, "bench"), cfg.shard_tokens or corpus.DEFAULT_SHARD_TOKENS,

@@ -75,7 +75,7 @@ def test_train_mode_reads_a_training_config_file(capsys, monkeypatch):
         [("median", "500.0", "64", "-"), ("min", "250.0", "128", "-"), ("max", "1000.0", "32", "-")]
 
 
-@pytest.mark.parametrize("arg,message", [("--mode=fast", "mode must be sample, train, speedrun, prepare or serve, got 'fast'"),
+@pytest.mark.parametrize("arg,message", [("--mode=fast", "mode must be sample, train, speedrun, prepare, serve or faults, got 'fast'"),
                                          ("--prompt_len=17", "prompt_len .17. must be at most block_size"),
                                          ("--num_proc=-1", "num_proc must not be negative"),
                                          ("--corpus_mb=0", "corpus_mb must be positive"),
