@@ -94,13 +94,21 @@ def gather_objects(obj, world):
 
 
 def shard(model):
-    """FSDP: each block's parameters (then the rest) are split across the ranks. Call it before
-    building the optimizer, which must see the sharded parameters."""
+    """FSDP: each block's parameters (then the rest) are split across the ranks, on the device the model
+    is on. Call it before building the optimizer, which must see the sharded parameters.
+
+    The mesh is named, not left to fully_shard: its default is a mesh of the machine's accelerator, so on a
+    machine with a GPU a --device=cpu job (gloo) would move every rank's shards onto the current GPU (cuda:0
+    for all of them, never set) and run gloo collectives on CUDA tensors: on an H100 machine, 2 such ranks
+    hung."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def replicate(model, world, device_type):
