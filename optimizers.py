@@ -18,7 +18,8 @@ update, per matrix, is replaced by the nearest semi-orthogonal matrix (all singu
 computed by a few steps (muon_ns_steps, 5 by default) of a quintic Newton-Schulz iteration with
 Polar Express's coefficients. It is meant for the 2-D weights inside
 the transformer blocks; embeddings (the token embedding is also the output layer), LayerNorm
-gains and biases stay on AdamW, as in modded-nanogpt.
+gains and biases stay on AdamW, as in modded-nanogpt. As there, the matrices of one shape are
+orthogonalised together, stacked: a few batched products per shape instead of a few per matrix.
 """
 
 import inspect
