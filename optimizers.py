@@ -219,10 +219,11 @@ def newton_schulz(g, steps=5, eps=1e-7, dtype=None):
     coefficients = POLAR_EXPRESS[:steps]
     dtype = dtype or working_dtype(g)
     x = g.to(dtype)
+    # (normalised before the transpose: a stack's norm is then a reduction over contiguous memory, the same sum)
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02).clamp(min=eps)
     tall = g.size(-2) > g.size(-1)
     if tall:  # work on the wide orientation: A is then the smaller Gram matrix
         x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02).clamp(min=eps)
     if dtype != torch.bfloat16 and x.size(-2) < x.size(-1):  # (bfloat16, as on CUDA: the plain iteration)
         x = _newton_schulz_small(x, coefficients)
     else:
