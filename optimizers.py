@@ -151,8 +151,9 @@ class MuonAdamW(torch.optim.AdamW):
         for same in same_shape(params):
             updates = self._orthogonalize([nesterov[i] for i in same], group["ns_steps"])
             matrices = [params[i] for i in same]
-            rows, cols = matrices[0].shape  # torch.optim.Muon's scaling: the update's RMS does not depend on the
-            torch._foreach_mul_(matrices, 1 - lr * group["weight_decay"])  # aspect ratio
+            torch._foreach_mul_(matrices, 1 - lr * group["weight_decay"])
+            # torch.optim.Muon's scaling: the update's RMS does not depend on the aspect ratio
+            rows, cols = matrices[0].shape
             torch._foreach_add_(matrices, updates, alpha=-lr * math.sqrt(max(1.0, rows / cols)))
 
     def _orthogonalize(self, updates, ns_steps):

@@ -13,6 +13,7 @@ both scripts share, as our settings resolve them (device, dtype and compile incl
 the same model on the same batches from the same seed.
 """
 
+import math
 import os
 import pickle
 import re
@@ -61,9 +62,11 @@ class Run:
     steps: list  # (step, ms, loss) of each logged iteration; step 0 is the first optimizer step
     model: GPT  # on the meta device: its FLOPs per token for MFU
 
-    def ms_per_iter(self, warmup):
-        times = [ms for step, ms, _ in self.steps if step >= warmup] or [ms for _, ms, _ in self.steps]
-        return statistics.median(times) if times else float("nan")
+    def ms_per_iter(self, warmup, until=None):
+        """The median time of the logged steps from step `warmup` on (and before step `until`)."""
+        times = [ms for step, ms, _ in self.steps if warmup <= step < (until or math.inf)] or \
+            [ms for _, ms, _ in self.steps]
+        return statistics.median(times) if times else math.nan
 
 
 def parse_log(name, stdout, seconds, model, first_step):
@@ -160,11 +163,11 @@ def run_nanogpt(train_py, cfg, workdir, data_dir):
     return parse_log("nanoGPT's train.py", proc.stdout, seconds, meta_model(cfg, data_dir), first_step=0)
 
 
-def print_table(runs, warmup, peak):
+def print_table(runs, warmup, peak, until=None):
     """The runs' medians side by side (each entry of runs: a name and its repeats)."""
     print(f"{'':34} {'wall s':>8} {'val loss':>9} {'ms/iter':>9} {'tokens/s':>11} {'MFU':>7}")
     for name, repeats in runs:
-        ms = statistics.median(r.ms_per_iter(warmup) for r in repeats)
+        ms = statistics.median(r.ms_per_iter(warmup, until) for r in repeats)
         mfu = repeats[0].model.estimate_mfu(repeats[0].tokens_per_iter / repeats[0].model.config.block_size,
                                             ms / 1000, peak) if peak else None
         print(f"{name:34} {statistics.median(r.seconds for r in repeats):8.1f} "
@@ -227,9 +230,10 @@ def bench_beside_nanogpt(cfg, workdir, train_config):
                                        and n not in ("data_dir", "out_dir")]) + ["--wandb_log=False"]
     ours = run_ours("our train.py", ours_args, train_config, workdir, data_dir)
     theirs = run_nanogpt(nanogpt, run_cfg, workdir, data_dir)
-    print_table([(r.name, [r]) for r in (ours, theirs)], cfg.warmup, peak_flops(device))
+    # (nanoGPT's extra last step follows its final evaluation, which its time includes: left out)
+    print_table([(r.name, [r]) for r in (ours, theirs)], cfg.warmup, peak_flops(device), until=steps)
     print(f"wall time, ours / nanoGPT's: {ours.seconds / theirs.seconds:.3f}; ms/iter: "
-          f"{ours.ms_per_iter(cfg.warmup) / theirs.ms_per_iter(cfg.warmup):.3f}")
+          f"{ours.ms_per_iter(cfg.warmup, steps) / theirs.ms_per_iter(cfg.warmup, steps):.3f}")
     compared, gap = loss_gap(ours, theirs)
     if compared:
         print(f"training losses of the same {compared} steps: at most {gap:.3%} apart")

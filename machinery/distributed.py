@@ -98,9 +98,9 @@ def shard(model):
     is on. Call it before building the optimizer, which must see the sharded parameters.
 
     The mesh is named, not left to fully_shard: its default is a mesh of the machine's accelerator, so on a
-    machine with a GPU a --device=cpu job (gloo) would move every rank's shards onto the current GPU (cuda:0
-    for all of them, never set) and run gloo collectives on CUDA tensors: on an H100 machine, 2 such ranks
-    hung."""
+    machine with a GPU a --device=cpu job (gloo) got a CUDA mesh, which puts each rank on GPU LOCAL_RANK
+    (rank 1 of 2 on a 1-GPU machine failed while rank 0 waited for it: the hang of BENCHMARKS.md, *GPU*) and
+    the shards there."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -237,6 +237,7 @@ def test_logs_are_read_step_by_step_whoever_numbers_them():
     assert (ours.val_loss, theirs.val_loss) == (1.4, 1.2)  # the last evaluation's
     assert theirs.steps == [(0, 99.0, 2.02), (1, 5.0, 1.5)]
     assert ours.ms_per_iter(warmup=1) == 25.0 and theirs.ms_per_iter(warmup=1) == 5.0  # steps 1 and 2 / step 1
+    assert ours.ms_per_iter(warmup=0, until=2) == 20.0  # steps 0 and 1
     # steps 0 and 1 in both: 2.0 against 2.02 is 0.99 % of 2.02
     assert bench_runs.loss_gap(ours, theirs) == (2, pytest.approx(0.02 / 2.02, rel=1e-12))
     with pytest.raises(UserError, match="no `tokens per iteration` or `step N: ... val loss` line"):
@@ -270,8 +271,9 @@ def tiny_model_flops_per_token(vocab, n_layer=1, n_embd=16, n_head=2, block_size
 def test_train_mode_runs_ours_and_nanogpts_train_py_side_by_side(capsys, monkeypatch, module_data, nanogpt,
                                                                    train_in_process):
     fake, report = nanogpt
-    # nanoGPT's 5 steps (0-4, one more than ours): step 0 unmeasured, then 30, 10, 20, 40 ms: median 25 ms
-    monkeypatch.setenv("FAKE_TIMES", "500,30,10,20,40")
+    # nanoGPT's 5 steps (0-4, one more than ours): step 0 unmeasured, then 30, 10, 25 ms: median 25 ms; step 4
+    # (after its last evaluation, which its time includes) left out
+    monkeypatch.setenv("FAKE_TIMES", "500,30,10,25,900")
     monkeypatch.setattr(bench_runs, "peak_flops", lambda device: 1e9)  # as if on a GPU of 1 GFLOP/s
     ours, theirs = bench_runs.bench_beside_nanogpt(
         configurator.parse(bench.BenchConfig, ["--mode=train", f"--nanogpt={fake}", f"--data_dir={module_data}",

@@ -220,9 +220,10 @@ def test_torchrun_on_mps_is_refused(no_cuda, process_group, monkeypatch, device)
 @pytest.mark.parametrize("accelerator", ["cuda", "cpu"])
 def test_fsdp_shards_on_the_models_device_even_where_a_gpu_is(cuda, monkeypatch, accelerator):
     """fully_shard's default mesh is one of the machine's accelerator (torch._C._get_accelerator), whatever the
-    model and the process group: a --device=cpu job over gloo on a GPU machine got a CUDA mesh, which moved every
-    rank's shards onto the current GPU (cuda:0 for all of them) and ran gloo's collectives on them. That is why
-    2 ranks hung on an H100 machine while they pass on CPUs. shard() names a mesh of the model's device."""
+    model and the process group: a --device=cpu job over gloo on a GPU machine got a CUDA mesh, which puts each
+    rank on GPU LOCAL_RANK and its shards there (on a 1-GPU machine rank 1 failed and rank 0 waited for it: the
+    2-rank FSDP tests hung on an H100 machine while they pass on CPUs). shard() names a mesh of the model's
+    device, whatever the accelerator."""
     from torch.distributed import device_mesh, fsdp
 
     monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device(accelerator))
