@@ -1,22 +1,29 @@
 """
-Speed of generation and of training, on random weights and random tokens (no dataset needed):
+Benchmarks: this project's speed against a reference run on the same machine, one mode per job.
+
+Generation, training (beside nanoGPT's own train.py too), the speedrun, corpus preparation, serving, and serving
+under faults; the measured figures, with their commands and machines, are in BENCHMARKS.md.
 
     python bench.py --mode=sample --n_layer=6 --n_head=6 --n_embd=384 --block_size=1024 --vocab_size=65 --device=cpu
     python bench.py config/train_shakespeare_char.py --mode=train --batch_size=8 --device=cpu
+    python bench.py config/train_gpt2.py --mode=train --dataset=shakespeare --nanogpt=../nanoGPT/train.py
+    python bench.py --mode=speedrun --repeats=3 [--recipe=gpu] [--nanogpt=../nanoGPT/train.py]
 
 mode=sample: tokens/s of greedy generation (batch 1, a random prompt) with the KV cache and
 without it (re-running the whole context for every token, as nanoGPT), on the same model in
 the same run, and whether the two paths produced the same tokens.
 
 mode=train: ms/iter and tokens/s (and MFU on GPUs) of train.py's own training step
-(Trainer.optimizer_step: forward, backward, gradient clipping, AdamW) with its device, dtype,
-autocast and compile settings.
+(Trainer.optimizer_step: forward, backward, gradient clipping, the optimizer) with its device, dtype,
+autocast and compile settings, on random tokens. With --nanogpt=PATH (nanoGPT's train.py, from a clone
+of its repository), then our train.py and nanoGPT's as whole processes with the same settings on the
+prepared dataset, warmup + repeats steps each: wall time, val loss, ms/iter, tokens/s and MFU side by
+side, and how far apart their losses are step by step. See machinery/bench_runs.py.
 
-mode=speedrun: the CPU speedrun against nanoGPT's CPU recipe, both whole `python train.py` processes
-(start-up, data, training, evaluation, checkpoint) on the prepared shakespeare_char in data_dir, run in
-turn `repeats` times; prints both wall times, their ratio and both final val losses, and the medians:
-
-    python bench.py --mode=speedrun --repeats=3
+mode=speedrun: the speedrun (--recipe=cpu or gpu) against nanoGPT's recipe run by our train.py, both whole
+`python train.py` processes (start-up, data, training, evaluation, checkpoint) on the prepared
+shakespeare_char in data_dir, in turn `repeats` times (with --nanogpt, the recipe through nanoGPT's
+train.py too); prints each pair's wall times, their ratio and val losses, then the medians side by side.
 
 mode=prepare: tokens/s and the peak memory of the process tree of the large-corpus preparation
 (prepare.py fineweb_edu --input: corpus.prepare_corpus on num_proc processes, timed whole) against
@@ -42,10 +49,7 @@ median of `repeats` measurements taken after `warmup` unmeasured ones.
 
 import dataclasses
 import os
-import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -56,11 +60,12 @@ import torch
 from machinery import configurator, dataset, meta
 from machinery.bench_faults import bench_faults
 from machinery.bench_prepare import bench_prepare
+from machinery.bench_runs import NANOGPT_RECIPES, bench_beside_nanogpt, bench_speedrun, check_nanogpt
 from machinery.bench_serve import bench_serve
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 from machinery.hardware import describe as describe_device
-from machinery.hardware import peak_flops, pick_dtype
+from machinery.hardware import peak_flops
 from train import TrainConfig, Trainer
 
 
@@ -80,6 +85,8 @@ class BenchConfig(TrainConfig):
                                  "speedrun against nanoGPT's GPU recipe, config/train_shakespeare_char.py)")
     speedrun: str = setting("", "mode=speedrun: the speedrun's config file (empty: config/speedrun_shakespeare_char_"
                                 "RECIPE.py)")
+    nanogpt: str = setting("", "mode=train and speedrun: the path of nanoGPT's train.py (a clone of its repository) "
+                               "to run beside ours on the same data (empty: none)")
     input: str = setting("", "mode=prepare: the corpus, as prepare.py fineweb_edu --input takes it (a file or "
                              "directory of JSON lines / parquet with a text field); empty: a synthetic one")
     corpus_mb: int = setting(500, "mode=prepare without --input: MiB of synthetic JSON lines to write first")
@@ -98,6 +105,10 @@ class BenchConfig(TrainConfig):
             raise UserError(f"clients must be positive numbers separated by commas, got {self.clients!r}")
         if self.recipe not in NANOGPT_RECIPES:
             raise UserError(f"recipe must be cpu or gpu, got {self.recipe!r}")
+        if self.nanogpt and self.mode not in ("train", "speedrun"):
+            raise UserError(f"nanogpt is a setting of mode=train and mode=speedrun, not mode={self.mode}")
+        if self.nanogpt:
+            check_nanogpt(self.nanogpt)
         if self.mode == "speedrun" and self.recipe == "gpu" and not torch.cuda.is_available():
             raise UserError("recipe=gpu needs a CUDA GPU and this machine has none; use --recipe=cpu")
         if self.warmup < 0:
@@ -182,6 +193,14 @@ def bench_sample(cfg, workdir):
 
 
 def bench_train(cfg, workdir):
+    """train.py's training step in this process; with cfg.nanogpt, then ours and nanoGPT's train.py side by side."""
+    step = bench_step(cfg, workdir)
+    if cfg.nanogpt:
+        bench_beside_nanogpt(cfg, workdir, TrainConfig)
+    return step
+
+
+def bench_step(cfg, workdir):
     trainer = make_trainer(cfg, workdir, compile=cfg.compile)
     compiled = trainer.model is not trainer.raw_model
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
@@ -208,48 +227,6 @@ def bench_train(cfg, workdir):
     return statistics.median(times)
 
 
-# nanoGPT's recipes through our train.py: its GPU config as it is (compiled, bfloat16 on CUDA), and its
-# CPU recipe (its README) in float32, as nanoGPT runs it on a CPU
-NANOGPT_RECIPES = {
-    "gpu": ["config/train_shakespeare_char.py"],
-    "cpu": ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
-            "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
-            "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0", "--dtype=float32"],
-}
-
-
-def timed_training(args, workdir, data_dir):
-    """Wall time of a whole `python train.py ARGS` process, and the val loss of its last evaluation."""
-    out_dir = tempfile.mkdtemp(prefix="run-", dir=workdir)
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "train.py", *args, f"--data_dir={data_dir}", f"--out_dir={out_dir}"],
-                          cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True, timeout=3600)
-    seconds = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise UserError(f"train.py {' '.join(args)} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-    return seconds, float(re.findall(r"^step \d+: train loss \S+, val loss (\S+)$", proc.stdout, re.M)[-1])
-
-
-def bench_speedrun(cfg, workdir):
-    data_dir = os.path.abspath(cfg.data_dir)
-    speedrun = cfg.speedrun or f"config/speedrun_shakespeare_char_{cfg.recipe}.py"
-    device = "cuda" if cfg.recipe == "gpu" else "cpu"
-    print(f"speedrun ({speedrun}) against nanoGPT's {cfg.recipe.upper()} recipe, {cfg.repeats} pair(s), one after the "
-          f"other; {describe_device(device, pick_dtype('auto', device))} with dtype=auto")
-    runs = []
-    for i in range(cfg.repeats):
-        fast = timed_training([speedrun], workdir, data_dir)
-        slow = timed_training(NANOGPT_RECIPES[cfg.recipe], workdir, data_dir)
-        runs.append((fast, slow))
-        print(f"pair {i + 1}: speedrun {fast[0]:.1f} s (val {fast[1]:.4f}), nanoGPT's recipe {slow[0]:.1f} s "
-              f"(val {slow[1]:.4f}), ratio {fast[0] / slow[0]:.3f}", flush=True)
-    median = [statistics.median(r[k][j] for r in runs) for k in (0, 1) for j in (0, 1)]
-    ratio = statistics.median(f[0] / s[0] for f, s in runs)
-    print(f"median: speedrun {median[0]:.1f} s (val {median[1]:.4f}), nanoGPT's recipe {median[2]:.1f} s "
-          f"(val {median[3]:.4f}), ratio {ratio:.3f}")
-    return ratio
-
-
 def main(argv=None):
     cfg = configurator.parse(BenchConfig, argv, usage="python bench.py [config/FILE.py ...] [--key=value ...] "
                                                       "--mode=sample|train|speedrun|prepare|serve|faults")
@@ -257,8 +234,10 @@ def main(argv=None):
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
-        return {"sample": bench_sample, "train": bench_train, "speedrun": bench_speedrun,
-                "prepare": bench_prepare, "serve": bench_serve, "faults": bench_faults}[cfg.mode](cfg, workdir)
+        if cfg.mode == "speedrun":
+            return bench_speedrun(cfg, workdir, TrainConfig)
+        return {"sample": bench_sample, "train": bench_train, "prepare": bench_prepare,
+                "serve": bench_serve, "faults": bench_faults}[cfg.mode](cfg, workdir)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,18 @@ update, per matrix, is replaced by the nearest semi-orthogonal matrix (all singu
 computed by a few steps (muon_ns_steps, 5 by default) of a quintic Newton-Schulz iteration with
 Polar Express's coefficients. It is meant for the 2-D weights inside
 the transformer blocks; embeddings (the token embedding is also the output layer), LayerNorm
-gains and biases stay on AdamW, as in modded-nanogpt.
+gains and biases stay on AdamW, as in modded-nanogpt. As there, the matrices of one shape are
+orthogonalised together, stacked: a few batched products per shape instead of a few per matrix.
 """
 
 import inspect
 import math
+import sys
 
 import torch
 from torch.optim.adam import adam
+
+from machinery.errors import first_line
 
 # The quintic Newton-Schulz step X <- aX + (bA + cA^2)X with one (a, b, c) per step: Polar Express (Amsel,
 # Persson, Musco, Gower 2025, as modded-nanogpt uses it), where each step's polynomial is fitted to the range
@@ -42,9 +46,10 @@ POLAR_EXPRESS = (
 
 
 def build_optimizer(model, name, learning_rate, weight_decay, betas, device_type, muon_lr=0.02, muon_momentum=0.95,
-                    muon_weight_decay=0.0, muon_ns_steps=5):
+                    muon_weight_decay=0.0, muon_ns_steps=5, compile=False):
     """AdamW ("adamw", as nanoGPT's configure_optimizers) or MuonAdamW ("muon"); the muon_ settings
-    (Muon's rate, momentum, decoupled weight decay, Newton-Schulz steps) only matter for "muon"."""
+    (Muon's rate, momentum, decoupled weight decay, Newton-Schulz steps) and compile (Newton-Schulz through
+    torch.compile, where training compiles the model) only matter for "muon"."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     # the fused kernel is the fastest on CUDA and on the CPU (there 3.5x faster than foreach for
     # the speedrun's model, BENCHMARKS.md); elsewhere the foreach (multi-tensor) one
@@ -60,7 +65,8 @@ def build_optimizer(model, name, learning_rate, weight_decay, betas, device_type
     muon_group = {"params": hidden, "use_muon": True, "lr_scale": muon_lr / learning_rate,
                   "weight_decay": muon_weight_decay}
     groups = [muon_group] + _adamw_groups(rest, weight_decay)
-    return MuonAdamW(groups, lr=learning_rate, betas=betas, momentum=muon_momentum, ns_steps=muon_ns_steps, **kernel)
+    return MuonAdamW(groups, lr=learning_rate, betas=betas, momentum=muon_momentum, ns_steps=muon_ns_steps,
+                     compile=compile, **kernel)
 
 
 def is_hidden_matrix(name, param):
@@ -78,9 +84,10 @@ def _adamw_groups(params, weight_decay):
 class MuonAdamW(torch.optim.AdamW):
     """AdamW, except that groups with use_muon=True take Muon's update; every group steps with
     lr * lr_scale. Being an AdamW subclass, the AdamW groups run torch's own AdamW code (bit-identical
-    to torch.optim.AdamW) and every group carries the same keys, which checkpoint round trips keep."""
+    to torch.optim.AdamW) and every group carries the same keys, which checkpoint round trips keep.
+    With compile=True (where training compiles the model) the Newton-Schulz iteration is compiled too."""
 
-    def __init__(self, params, lr, betas, momentum=0.95, ns_steps=5, **adamw_kwargs):
+    def __init__(self, params, lr, betas, momentum=0.95, ns_steps=5, compile=False, **adamw_kwargs):
         super().__init__(params, lr=lr, betas=betas, **adamw_kwargs)
         for group in self.param_groups:
             group.setdefault("use_muon", False)
@@ -92,6 +99,7 @@ class MuonAdamW(torch.optim.AdamW):
         # GradScaler then unscales, checks for inf/NaN and skips the step itself (the fused AdamW
         # kernel could do that inside, but the Muon update could not)
         self._step_supports_amp_scaling = False
+        self.newton_schulz = compiled_or_eager(newton_schulz) if compile else newton_schulz
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -120,38 +128,78 @@ class MuonAdamW(torch.optim.AdamW):
 
     def _muon_step(self, group):
         """torch.optim.Muon's update (Nesterov momentum, Newton-Schulz, decoupled weight decay), with
-        Polar Express's coefficients, the orthogonalisation in float32 on the CPU and gathered whole under FSDP."""
-        lr = group["lr"] * group["lr_scale"]
-        momentum = group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        Polar Express's coefficients. The matrices of one shape are orthogonalised together, stacked: one
+        batched iteration per shape (a GPU runs each product of all the layers as one kernel instead of one
+        per layer, as modded-nanogpt does), each matrix getting the same products as alone; the elementwise
+        work runs as multi-tensor (foreach) kernels."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        lr, momentum = group["lr"] * group["lr_scale"], group["momentum"]
+        buffers = []
+        for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
                 # a step count, as AdamW's state has (Adam's load_state_dict expects one in every state)
                 state["step"] = torch.zeros((), dtype=torch.float32)
             state["step"] += 1
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - momentum)  # buf = momentum * buf + (1 - momentum) * grad
-            nesterov = p.grad.lerp(buf, momentum)  # grad + momentum * (buf - grad)
-            update = _orthogonalize(nesterov, group["ns_steps"])
-            p.mul_(1 - lr * group["weight_decay"])
-            rows, cols = p.shape  # torch.optim.Muon's scaling: the update's RMS does not depend on the aspect ratio
-            p.add_(update, alpha=-lr * math.sqrt(max(1.0, rows / cols)))
+            buffers.append(state["momentum_buffer"])
+        grads = [p.grad for p in params]
+        torch._foreach_lerp_(buffers, grads, 1 - momentum)  # buf = momentum * buf + (1 - momentum) * grad
+        nesterov = torch._foreach_lerp(grads, buffers, momentum)  # grad + momentum * (buf - grad)
+        for same in same_shape(params):
+            updates = self._orthogonalize([nesterov[i] for i in same], group["ns_steps"])
+            matrices = [params[i] for i in same]
+            torch._foreach_mul_(matrices, 1 - lr * group["weight_decay"])
+            # torch.optim.Muon's scaling: the update's RMS does not depend on the aspect ratio
+            rows, cols = matrices[0].shape
+            torch._foreach_add_(matrices, updates, alpha=-lr * math.sqrt(max(1.0, rows / cols)))
+
+    def _orthogonalize(self, updates, ns_steps):
+        """Newton-Schulz of each whole matrix of a list of same-shape ones, as one stack. Under FSDP2 a
+        parameter, its grad and the momentum are DTensors sharded on dim 0, and the iteration needs whole
+        matrices: the stack of this rank's shards is gathered (one all-gather per shape), orthogonalised on
+        every rank (the same input gives the same result), and each rank keeps its shard of each result
+        (distribute_tensor with src_data_rank=None slices locally, no communication)."""
+        if not hasattr(updates[0], "full_tensor"):  # plain tensors (one process, or DDP)
+            return list(self.newton_schulz(torch.stack(updates), ns_steps).unbind(0))
+        from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+        first = updates[0]
+        shape = (len(updates), *first.shape)
+        stacked = DTensor.from_local(torch.stack([u.to_local() for u in updates]), first.device_mesh,
+                                     [Shard(p.dim + 1) if p.is_shard() else p for p in first.placements],
+                                     shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+        full = self.newton_schulz(stacked.full_tensor(), ns_steps)
+        return [distribute_tensor(m, first.device_mesh, first.placements, src_data_rank=None) for m in full.unbind(0)]
 
 
-def _orthogonalize(update, ns_steps):
-    """Newton-Schulz of the whole matrix. Under FSDP2 a parameter, its grad and the momentum are
-    DTensors sharded on dim 0, and the iteration needs the whole matrix: gather it (one all-gather),
-    orthogonalise it on every rank (the same input gives the same result), and keep this rank's
-    shard of the result (distribute_tensor with src_data_rank=None slices locally, no communication)."""
-    if not hasattr(update, "full_tensor"):  # a plain tensor (one process, or DDP)
-        return newton_schulz(update, ns_steps)
-    from torch.distributed.tensor import distribute_tensor
+def same_shape(params):
+    """The indices of params grouped by shape, dtype, device and sharding (the matrices that stack), in order."""
+    groups = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.shape, p.dtype, p.device, getattr(p, "placements", None)), []).append(i)
+    return list(groups.values())
 
-    full = newton_schulz(update.full_tensor(), ns_steps)
-    return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+
+def compiled_or_eager(fn):
+    """fn through torch.compile; if compiling fails (compilers fail in many ways: a missing toolchain, an
+    unsupported GPU), a one-line warning and fn itself from then on."""
+    compiled = torch.compile(fn, dynamic=False)
+
+    def run(*args, **kwargs):
+        nonlocal compiled
+        if compiled is not None:
+            try:
+                return compiled(*args, **kwargs)
+            except Exception as e:
+                print(f"warning: torch.compile of {fn.__name__} failed ({type(e).__name__}: {first_line(e)}); "
+                      f"running it uncompiled", file=sys.stderr)
+                compiled = None
+        return fn(*args, **kwargs)
+
+    return run
 
 
 def working_dtype(g):
@@ -164,25 +212,27 @@ def working_dtype(g):
 def newton_schulz(g, steps=5, eps=1e-7, dtype=None):
     """About U V^T for G = U S V^T (singular values pushed near 1): X <- aX + (bA + cA^2)X with A = XX^T,
     for the first `steps` of POLAR_EXPRESS's coefficients, from X = G / (1.02 |G|) (the Frobenius norm is
-    at least the spectral norm, so singular values start below 1, with 2 % to spare for rounding). In
-    dtype, by default working_dtype(g) (bfloat16 on CUDA); the result in g's dtype."""
+    at least the spectral norm, so singular values start below 1, with 2 % to spare for rounding). G is a
+    matrix or a stack of matrices (batch, rows, cols), each orthogonalised on its own with the same products
+    as alone. In dtype, by default working_dtype(g) (bfloat16 on CUDA); the result in g's dtype."""
     if not 1 <= steps <= len(POLAR_EXPRESS):
         raise ValueError(f"Newton-Schulz steps must be 1 to {len(POLAR_EXPRESS)}, got {steps}")
     coefficients = POLAR_EXPRESS[:steps]
     dtype = dtype or working_dtype(g)
     x = g.to(dtype)
-    tall = g.size(0) > g.size(1)
+    # (normalised before the transpose: a stack's norm is then a reduction over contiguous memory, the same sum)
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02).clamp(min=eps)
+    tall = g.size(-2) > g.size(-1)
     if tall:  # work on the wide orientation: A is then the smaller Gram matrix
-        x = x.T
-    x = x / (x.norm() * 1.02).clamp(min=eps)
-    if dtype != torch.bfloat16 and x.size(0) < x.size(1):  # (bfloat16, as on CUDA: the plain iteration)
+        x = x.mT
+    if dtype != torch.bfloat16 and x.size(-2) < x.size(-1):  # (bfloat16, as on CUDA: the plain iteration)
         x = _newton_schulz_small(x, coefficients)
     else:
         for a, b, c in coefficients:
-            gram = x @ x.T
-            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+            gram = x @ x.mT
+            x = _addmm(x, _addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     if tall:
-        x = x.T
+        x = x.mT
     return x.to(g.dtype)
 
 
@@ -192,17 +242,22 @@ def _newton_schulz_small(x, coefficients):
     with G = X_0 X_0^T. So X_0 is multiplied twice (G, and Q X_0 at the end) instead of twice per step:
     for the speedrun's 128 x 512 matrices a third fewer FLOPs (BENCHMARKS.md), the same matrix up to
     float32 rounding. (In bfloat16, as on CUDA, the plain iteration stays: it is what Muon is run with there.)"""
-    gram = x @ x.T
+    gram = x @ x.mT
     q = None
     for a, b, c in coefficients:
-        A = gram if q is None else q @ gram @ q.T
-        poly = torch.addmm(A, A, A, beta=b, alpha=c)  # bA + cA^2
+        A = gram if q is None else q @ gram @ q.mT
+        poly = _addmm(A, A, A, beta=b, alpha=c)  # bA + cA^2
         if q is None:
             q = poly
-            q.diagonal().add_(a)
+            q.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
-            q = torch.addmm(q, poly, q, beta=a)
+            q = _addmm(q, poly, q, beta=a)
     return q @ x
+
+
+def _addmm(input, m1, m2, beta, alpha=1.0):
+    """beta * input + alpha * m1 @ m2 as one product: addmm for matrices, baddbmm for stacks of them."""
+    return (torch.addmm if m1.dim() == 2 else torch.baddbmm)(input, m1, m2, beta=beta, alpha=alpha)
 
 
 def set_schedule(optimizer, it, cfg):

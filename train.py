@@ -183,9 +183,10 @@ class Trainer:
                      f"are now")
         if self.world.distributed and cfg.parallel == "fsdp":
             distributed.shard(self.raw_model)
+        self.use_compile = cfg.compile if cfg.compile is not None else self.device_type == "cuda"
         self.optimizer = build_optimizer(self.raw_model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay,
                                          (cfg.beta1, cfg.beta2), self.device_type, muon_lr=cfg.muon_lr,
-                                         muon_ns_steps=cfg.muon_ns_steps)
+                                         muon_ns_steps=cfg.muon_ns_steps, compile=self.use_compile)
         self.scaler = grad_scaler(self.device_type, self.dtype)  # float16's; a no-op for other dtypes
         # a non-finite loss is recorded on the device (no sync every step) and checked when logging/saving
         self.nonfinite_at = torch.full((), -1, dtype=torch.long, device=self.device)
@@ -420,8 +421,7 @@ class Trainer:
         cfg = self.cfg
         if self.world.distributed and cfg.parallel == "ddp":
             model = distributed.replicate(model, self.world, self.device_type)
-        use_compile = cfg.compile if cfg.compile is not None else self.device_type == "cuda"
-        return self._try_compile(model) if use_compile else model
+        return self._try_compile(model) if self.use_compile else model
 
     def _try_compile(self, model):
         """torch.compile, checked on one forward/backward; on failure warn once and go on uncompiled."""

@@ -1,12 +1,14 @@
 # GPU speedrun: nanoGPT's GPU recipe (config/train_shakespeare_char.py: val 1.4697 after 5,000 steps,
 # about 3 minutes on an A100) with the CPU speedrun's levers, to reach val <= 1.47 in fewer steps.
 # python prepare.py shakespeare_char && python train.py config/speedrun_shakespeare_char_gpu.py
-# Side by side with nanoGPT's recipe (BENCHMARKS.md):
-#   python bench.py --mode=speedrun --recipe=gpu --repeats=3
+# Side by side with nanoGPT's recipe, through our train.py and nanoGPT's own (BENCHMARKS.md, *GPU*):
+#   python bench.py --mode=speedrun --recipe=gpu --repeats=3 [--nanogpt=../nanoGPT/train.py]
 #
-# Not yet measured on a GPU (none was available to the sessions that wrote it): the step count is the
-# CPU speedrun's reduction carried over (Muon reached AdamW's loss in about 40 % of the steps there);
-# tune max_iters with the command above and record the result in BENCHMARKS.md.
+# Measured once on an H100 (BENCHMARKS.md): it reaches the recipe's val loss in fewer steps, but not yet
+# in a third of its time. The step count is the CPU speedrun's reduction carried over (Muon reached
+# AdamW's loss in about 40 % of the steps there); it is still to be tuned for wall time on a GPU (steps,
+# batch, width, evaluation, compilation: the whole process is timed), now that Muon's step stacks its
+# matrices.
 #
 # The levers: Muon on the blocks' matrices (AdamW for embeddings and gains), a schedule that ends with
 # the run, no evaluation before the end and one exact evaluation over the whole val split, torch.compile

@@ -96,13 +96,21 @@ def gather_objects(obj, world):
 
 
 def shard(model):
-    """FSDP: each block's parameters (then the rest) are split across the ranks. Call it before
-    building the optimizer, which must see the sharded parameters."""
+    """FSDP: each block's parameters (then the rest) are split across the ranks, on the device the model
+    is on. Call it before building the optimizer, which must see the sharded parameters.
+
+    The mesh is named, not left to fully_shard: its default is a mesh of the machine's accelerator, so on a
+    machine with a GPU a --device=cpu job (gloo) got a CUDA mesh, which puts each rank on GPU LOCAL_RANK
+    (rank 1 of 2 on a 1-GPU machine failed while rank 0 waited for it: the hang of BENCHMARKS.md, *GPU*) and
+    the shards there."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def replicate(model, world, device_type):

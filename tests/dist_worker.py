@@ -10,7 +10,8 @@ Settings (under torchrun through the environment, which torchrun passes on to ev
   REPORT_DIR      each rank writes REPORT_DIR/rank{R}.json when training returns: the batches it trained on,
                   the val losses it computed, per iteration the gradient exchanges (DDP: calls of a counting
                   communication hook, one per all-reduce; FSDP: calls of its reduce-scatter of a parameter
-                  group), the gradient norm of every optimizer step, and every file it opened for writing
+                  group), the gradient norm of every optimizer step, its device and process group backend, and
+                  every file it opened for writing
   SHARED_BATCHES  "1": all ranks draw one global stream of micro-batches and rank r trains on the r-th
                   slice of each optimizer step's gradient_accumulation_steps batches, so a run with any
                   number of processes sees the same global batches as a single-process run
@@ -58,10 +59,13 @@ class Instruments:
     exchanges: Counter = field(default_factory=Counter)
     step: int = 0  # the optimizer step in progress (next_batch is called before each micro-step's backward)
     iter_num: int = 0
+    device: str = ""  # the device this rank trained on, and its process group's backend (None: no group)
+    backend: str = None
 
     def report(self):
         return {"batches": self.batches, "losses": self.losses, "grad_norms": self.grad_norms,
-                "exchanges": {str(k): v for k, v in sorted(self.exchanges.items())}, "iter_num": self.iter_num}
+                "exchanges": {str(k): v for k, v in sorted(self.exchanges.items())}, "iter_num": self.iter_num,
+                "device": self.device, "backend": self.backend}
 
 
 def instrumented_trainer(instruments):
@@ -72,6 +76,8 @@ def instrumented_trainer(instruments):
         def __init__(self, cfg):
             self.pending, self.signalled = [], False
             super().__init__(cfg)
+            rec.device = self.device
+            rec.backend = torch.distributed.get_backend() if self.world.distributed else None
             if rec.shared and self.iter_num == 0:  # (a resumed run restored the shared stream's state)
                 self.train_sampler.generator.manual_seed(cfg.seed)  # the same stream on every rank
 

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 import bench
 from conftest import ROOT, assert_one_error_line, make_corpus, run_in_process
-from machinery import bench_prepare
+from machinery import bench_prepare, bench_runs, configurator, meta
 from machinery.configurator import UserError
 from machinery.tokenizer import gpt2_encoding
 from model import GPT
@@ -20,8 +21,8 @@ from model import GPT
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--device=cpu", "--warmup=1", "--repeats=3"]
 
 
-def fake_clock(monkeypatch, durations):
-    """bench.py's time.perf_counter replaced by a clock whose measured intervals (one pair of calls each, in
+def fake_clock(monkeypatch, durations, module=bench):
+    """module's (bench.py's) time.perf_counter replaced by a clock whose measured intervals (one pair of calls each, in
     order) last the given durations (binary fractions of 2 decimals at most: exact in floats and as printed),
     the real work still done in between; returns the list of readings taken, to count them."""
     readings, ticks = [], []
@@ -30,8 +31,8 @@ def fake_clock(monkeypatch, durations):
         ticks += [now, now + d]
         now += d + 1  # (time between the intervals, unmeasured)
     ticks.reverse()
-    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: readings.append(ticks.pop()) or
-                                                       readings[-1]))
+    monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: readings.append(ticks.pop()) or
+                                                        readings[-1]))
     return readings
 
 
@@ -131,3 +132,210 @@ def test_the_synthetic_corpus_is_the_text_shuffled_copy_by_copy(tmp_path):
 def test_a_missing_text_source_is_one_line(tmp_path):
     proc = run_in_process(bench.main, "--mode=prepare", f"--text_source={tmp_path / 'none.txt'}")
     assert_one_error_line(proc, "--text_source", "none.txt")
+
+
+# ---------------------------------------------------------------------- beside nanoGPT's train.py
+
+# nanoGPT's configurator.py (github.com/karpathy/nanoGPT), its logic as it is: config files are executed, then each
+# --key=value must name one of train.py's globals and literal_eval to a value of the same type
+NANOGPT_CONFIGURATOR = '''
+import sys
+from ast import literal_eval
+for arg in sys.argv[1:]:
+    if '=' not in arg:
+        exec(open(arg).read())
+    else:
+        assert arg.startswith('--')
+        key, val = arg.split('=')
+        key = key[2:]
+        if key in globals():
+            try:
+                attempt = literal_eval(val)
+            except (SyntaxError, ValueError):
+                attempt = val
+            assert type(attempt) == type(globals()[key]), (key, attempt)
+            globals()[key] = attempt
+        else:
+            raise ValueError(f"Unknown config key: {key}")
+'''
+# a stand-in for nanoGPT's train.py (no torch, nothing trained): its globals and their defaults, its configurator
+# run from the working directory, its data read from data/DATASET, and its log lines (each step's time from
+# FAKE_TIMES, the loss 4 - step / 10, val loss 3.5), in its order (eval, then the step; steps 0 to max_iters);
+# what it was given goes to FAKE_REPORT
+NANOGPT_TRAIN = '''
+import json, os, pickle
+out_dir = 'out'; eval_interval = 2000; log_interval = 1; eval_iters = 200; eval_only = False
+always_save_checkpoint = True; init_from = 'scratch'; wandb_log = False; wandb_project = 'owt'
+wandb_run_name = 'gpt2'; dataset = 'openwebtext'; gradient_accumulation_steps = 5 * 8; batch_size = 12
+block_size = 1024; n_layer = 12; n_head = 12; n_embd = 768; dropout = 0.0; bias = False; learning_rate = 6e-4
+max_iters = 600000; weight_decay = 1e-1; beta1 = 0.9; beta2 = 0.95; grad_clip = 1.0; decay_lr = True
+warmup_iters = 2000; lr_decay_iters = 600000; min_lr = 6e-5; backend = 'nccl'; device = 'cuda'
+dtype = 'bfloat16'; compile = True
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+exec(open('configurator.py').read())
+data_dir = os.path.join('data', dataset)
+with open(os.path.join(data_dir, 'meta.pkl'), 'rb') as f:
+    vocab_size = pickle.load(f)['vocab_size']
+tokens = os.path.getsize(os.path.join(data_dir, 'train.bin')) // 2
+with open(os.environ['FAKE_REPORT'], 'w') as f:
+    json.dump({k: globals()[k] for k in config_keys} | {'vocab_size': vocab_size, 'train_tokens': tokens}, f)
+print(f"tokens per iteration will be: {gradient_accumulation_steps * batch_size * block_size:,}")
+times = [float(t) for t in os.environ['FAKE_TIMES'].split(',')]
+for it in range(max_iters + 1):
+    if it % eval_interval == 0:
+        print(f"step {it}: train loss 3.4000, val loss 3.5000")
+    print(f"iter {it}: loss {4 - it / 10:.4f}, time {times[it]:.2f}ms, mfu -100.00%")
+'''
+
+
+@pytest.fixture
+def nanogpt(tmp_path, monkeypatch):
+    """A clone of nanoGPT as --nanogpt wants it (train.py beside configurator.py and model.py), with the stand-in
+    train.py; returns (its train.py, the file its report goes to)."""
+    clone = tmp_path / "nanoGPT"
+    clone.mkdir()
+    (clone / "train.py").write_text(NANOGPT_TRAIN)
+    (clone / "configurator.py").write_text(NANOGPT_CONFIGURATOR)
+    (clone / "model.py").write_text("")
+    monkeypatch.setenv("FAKE_REPORT", str(tmp_path / "nanogpt.json"))
+    return clone / "train.py", tmp_path / "nanogpt.json"
+
+
+@pytest.fixture
+def train_in_process(monkeypatch):
+    """Our train.py's runs (`python train.py ...` processes in the benchmark) in this process instead (faster; what
+    is tested is what the benchmark makes of them); other processes (nanoGPT's) run as they are. Returns the
+    argument lists our train.py was given."""
+    import train
+
+    real, calls = subprocess.run, []
+
+    def run(argv, cwd=None, **kwargs):
+        if argv[1] != "train.py":
+            return real(argv, cwd=cwd, **kwargs)
+        calls.append(argv[2:])
+        proc = run_in_process(train.main, *argv[2:])
+        return subprocess.CompletedProcess(argv, proc.returncode, proc.stdout, proc.stderr)
+
+    monkeypatch.setattr(bench_runs.subprocess, "run", run)
+    return calls
+
+
+def parse(log, first_step):
+    return bench_runs.parse_log("run", log, 1.0, None, first_step)
+
+
+def test_logs_are_read_step_by_step_whoever_numbers_them():
+    # ours numbers a step's line after it (iter 1 is the first step), nanoGPT's before it (iter 0)
+    ours = parse("tokens per iteration: 2,048 (1 process(es) x ...)\niter 1: loss 2.0000, time 10.00ms, tok/s 1\n"
+                 "iter 2: loss 1.5000, time 30.00ms, tok/s 1\niter 3: loss 1.2500, time 20.00ms, tok/s 1\n"
+                 "step 3: train loss 1.3000, val loss 1.4000\n", first_step=1)
+    theirs = parse("tokens per iteration will be: 2,048\nstep 0: train loss 4.1, val loss 4.2000\n"
+                   "iter 0: loss 2.0200, time 99.00ms, mfu -100.00%\niter 1: loss 1.5000, time 5.00ms, mfu 1.00%\n"
+                   "step 2: train loss 1.1000, val loss 1.2000\n", first_step=0)
+    assert ours.steps == [(0, 10.0, 2.0), (1, 30.0, 1.5), (2, 20.0, 1.25)] and ours.tokens_per_iter == 2048
+    assert (ours.val_loss, theirs.val_loss) == (1.4, 1.2)  # the last evaluation's
+    assert theirs.steps == [(0, 99.0, 2.02), (1, 5.0, 1.5)]
+    assert ours.ms_per_iter(warmup=1) == 25.0 and theirs.ms_per_iter(warmup=1) == 5.0  # steps 1 and 2 / step 1
+    assert ours.ms_per_iter(warmup=0, until=2) == 20.0  # steps 0 and 1
+    # steps 0 and 1 in both: 2.0 against 2.02 is 0.99 % of 2.02
+    assert bench_runs.loss_gap(ours, theirs) == (2, pytest.approx(0.02 / 2.02, rel=1e-12))
+    with pytest.raises(UserError, match="no `tokens per iteration` or `step N: ... val loss` line"):
+        parse("iter 1: loss 2.0, time 1.0ms\n", first_step=1)
+
+
+def test_settings_are_written_as_both_configurators_read_them_back():
+    cfg = bench.BenchConfig(dropout=0.0, learning_rate=1e-3, bias=False, dtype="float32", max_iters=5, compile=None)
+    args = bench_runs.setting_args(cfg, ["dropout", "learning_rate", "bias", "dtype", "max_iters", "compile"])
+    assert args == ["--dropout=0.0", "--learning_rate=0.001", "--bias=False", "--dtype=float32", "--max_iters=5"]
+    assert dataclasses.asdict(configurator.parse(bench.BenchConfig, args)) == dataclasses.asdict(cfg)
+
+
+def test_a_bad_nanogpt_path_is_one_line(tmp_path):
+    (tmp_path / "train.py").write_text("")  # no configurator.py beside it
+    for path in (tmp_path / "train.py", tmp_path / "none.py"):
+        proc = run_in_process(bench.main, "--mode=train", f"--nanogpt={path}", *TINY)
+        assert_one_error_line(proc, "--nanogpt must be the path of nanoGPT's train.py", str(path))
+    with pytest.raises(UserError, match="nanogpt is a setting of mode=train and mode=speedrun, not mode=sample"):
+        bench.main(["--mode=sample", f"--nanogpt={tmp_path / 'train.py'}", *TINY])
+
+
+def tiny_model_flops_per_token(vocab, n_layer=1, n_embd=16, n_head=2, block_size=16):
+    """6N + 12 L H Q T (the PaLM paper's FLOPs per token) for a GPT without biases: N counts the token embedding
+    (it is the output layer too) and, per block, two LayerNorm gains and 12 n_embd^2 of matrices, and the final
+    LayerNorm's gain (not the position embedding)."""
+    n = vocab * n_embd + n_layer * (12 * n_embd ** 2 + 2 * n_embd) + n_embd
+    return 6 * n + 12 * n_layer * n_head * (n_embd // n_head) * block_size
+
+
+def test_train_mode_runs_ours_and_nanogpts_train_py_side_by_side(capsys, monkeypatch, module_data, nanogpt,
+                                                                   train_in_process):
+    fake, report = nanogpt
+    # nanoGPT's 5 steps (0-4, one more than ours): step 0 unmeasured, then 30, 10, 25 ms: median 25 ms; step 4
+    # (after its last evaluation, which its time includes) left out
+    monkeypatch.setenv("FAKE_TIMES", "500,30,10,25,900")
+    monkeypatch.setattr(bench_runs, "peak_flops", lambda device: 1e9)  # as if on a GPU of 1 GFLOP/s
+    ours, theirs = bench_runs.bench_beside_nanogpt(
+        configurator.parse(bench.BenchConfig, ["--mode=train", f"--nanogpt={fake}", f"--data_dir={module_data}",
+                                               "--dataset=tiny", "--batch_size=2", "--gradient_accumulation_steps=3",
+                                               "--eval_iters=2", "--dropout=0.0",
+                                               "--compile=False", "--dtype=float32", "--learning_rate=1e-3",
+                                               *TINY]),
+        str(module_data.parent), bench.TrainConfig)
+    given = json.loads(report.read_text())
+    # every setting both scripts have, as ours resolved it, in the type nanoGPT's configurator insists on
+    vocab = meta.read(module_data / "tiny").vocab_size
+    assert given | {"out_dir": None} == {
+        "out_dir": None, "eval_interval": 4, "log_interval": 1, "eval_iters": 2, "eval_only": False,
+        "always_save_checkpoint": True, "init_from": "scratch", "wandb_log": False, "wandb_project": "owt",
+        "wandb_run_name": "gpt2", "dataset": "bench", "gradient_accumulation_steps": 3, "batch_size": 2,
+        "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 16, "dropout": 0.0, "bias": False,
+        "learning_rate": 1e-3, "max_iters": 4, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0,
+        "decay_lr": True, "warmup_iters": 2000, "lr_decay_iters": 600000, "min_lr": 6e-5, "backend": "nccl",
+        "device": "cpu", "dtype": "float32", "compile": False, "vocab_size": vocab,
+        "train_tokens": os.path.getsize(module_data / "tiny" / "train.bin") // 2}
+    # ours: the same settings, 4 steps, a line each
+    assert len(train_in_process) == 1 and "--max_iters=4" in train_in_process[0]
+    assert [step for step, _, _ in ours.steps] == [0, 1, 2, 3] and theirs.val_loss == 3.5
+    out = capsys.readouterr().out
+    tokens = 3 * 2 * 16
+    mfu = tiny_model_flops_per_token(vocab) * tokens / 0.025 / 1e9
+    row = re.search(r"^nanoGPT's train.py +(\S+) +(\S+) +(\S+) +(\S+) +(\S+)$", out, re.M)
+    assert row.groups()[1:] == ("3.5000", "25.00", f"{tokens / 0.025:,.0f}", f"{mfu:.1%}")
+    assert re.search(r"^our train.py +\S+ +\d\.\d{4} +\S+ +\S+ +\S+%$", out, re.M)
+    # nanoGPT's losses 4.0, 3.9, ... against ours (about 3.6 here, the log of the vocabulary size)
+    gap = max(abs(loss - (4 - step / 10)) / (4 - step / 10) for step, _, loss in ours.steps)
+    assert f"training losses of the same 4 steps: at most {gap:.3%} apart" in out
+
+
+def test_speedrun_mode_runs_the_recipe_through_nanogpts_train_py_too(capsys, monkeypatch, module_data, tmp_path,
+                                                                     nanogpt, train_in_process):
+    # a speedrun and a recipe of a few steps on the tiny corpus (the real ones train for minutes)
+    tiny = dict(dataset="tiny", n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=2,
+                gradient_accumulation_steps=1, eval_iters=2, device="cpu", compile=False, dtype="float32", dropout=0.0,
+                warmup_iters=1, lr_decay_iters=3)
+    monkeypatch.setitem(bench_runs.NANOGPT_RECIPES, "cpu", [f"--{k}={v}" for k, v in tiny.items()]
+                        + ["--max_iters=3", "--eval_interval=3"])
+    speedrun = tmp_path / "speedrun.py"
+    speedrun.write_text("".join(f"{k} = {v!r}\n" for k, v in (tiny | dict(max_iters=2, eval_interval=2,
+                                                                          optimizer="muon")).items()))
+    fake, report = nanogpt
+    monkeypatch.setenv("FAKE_TIMES", "90,30,10,20")  # nanoGPT's 4 steps (0-3); step 0 unmeasured: median 20 ms
+    # wall times of the runs in order: speedrun, recipe (ours), recipe (nanoGPT's); twice
+    fake_clock(monkeypatch, [2.0, 8.0, 16.0, 4.0, 8.0, 12.0], module=bench_runs)
+    ratio = bench.main(["--mode=speedrun", "--repeats=2", f"--speedrun={speedrun}", f"--nanogpt={fake}",
+                        f"--data_dir={module_data}"])
+    assert ratio == 0.375  # the median of 2 / 8 and 4 / 8
+    assert [args[0] for args in train_in_process] == [str(speedrun), "--dataset=tiny"] * 2
+    assert json.loads(report.read_text())["max_iters"] == 3  # the recipe's settings
+    out = capsys.readouterr().out
+    assert re.findall(r"^pair (\d): speedrun (\S+) s .* nanoGPT's recipe (\S+) s .* ratio (\S+); nanoGPT's "
+                      r"train.py (\S+) s \(val 3.5000\)$", out, re.M) == \
+        [("1", "2.0", "8.0", "0.250", "16.0"), ("2", "4.0", "8.0", "0.500", "12.0")]
+    assert re.search(r"^median: speedrun 3.0 s \(val \S+\), nanoGPT's recipe 8.0 s \(val \S+\), ratio 0.375$", out,
+                     re.M)
+    rows = re.findall(r"^(speedrun|recipe, our train.py|recipe, nanoGPT's train.py) +(\S+) +\S+ +(\S+) +\S+ +-$",
+                      out, re.M)
+    assert [(name, wall) for name, wall, _ in rows] == [("speedrun", "3.0"), ("recipe, our train.py", "8.0"),
+                                                       ("recipe, nanoGPT's train.py", "14.0")]
+    assert rows[2][2] == "20.00"  # ms/iter: steps 1-3 (warmup 1)

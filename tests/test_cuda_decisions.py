@@ -3,8 +3,9 @@ answer as a machine with GPUs would, and the tests check what the product code t
 torch has no CUDA: any torch.cuda call left unpatched fails loudly, so a new CUDA call shows up here.
 
 Covered: dtype=auto and float16's GradScaler, TF32, joining a torchrun job (nccl on cuda:LOCAL_RANK, gloo
-on the CPU, mps refused), DDP's device_ids, the GPUs' random state in checkpoints, cuda:N that does not
-exist, peak FLOP/s by GPU name, the autocast context, and Newton-Schulz in bfloat16 (run on the CPU)."""
+on the CPU, mps refused), DDP's device_ids, FSDP's mesh (the model's device, not the GPU's), the GPUs'
+random state in checkpoints, cuda:N that does not exist, peak FLOP/s by GPU name, the autocast context, and
+Newton-Schulz in bfloat16 (run on the CPU). What needs a real GPU: test_cuda.py (skipped without one)."""
 
 import os
 from contextlib import nullcontext
@@ -21,6 +22,7 @@ from machinery.dataset import BatchSampler
 from machinery.configurator import parse
 from machinery.distributed import World
 from machinery.errors import UserError
+from model import GPT, GPTConfig
 import optimizers
 from test_optimizers import newton_schulz_by_hand
 import train
@@ -215,6 +217,27 @@ def test_torchrun_on_mps_is_refused(no_cuda, process_group, monkeypatch, device)
     assert process_group == []
 
 
+@pytest.mark.parametrize("accelerator", ["cuda", "cpu"])
+def test_fsdp_shards_on_the_models_device_even_where_a_gpu_is(cuda, monkeypatch, accelerator):
+    """fully_shard's default mesh is one of the machine's accelerator (torch._C._get_accelerator), whatever the
+    model and the process group: a --device=cpu job over gloo on a GPU machine got a CUDA mesh, which puts each
+    rank on GPU LOCAL_RANK and its shards there (on a 1-GPU machine rank 1 failed and rank 0 waited for it: the
+    2-rank FSDP tests hung on an H100 machine while they pass on CPUs). shard() names a mesh of the model's
+    device, whatever the accelerator."""
+    from torch.distributed import device_mesh, fsdp
+
+    monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device(accelerator))
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    meshes, sharded = [], []
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda device_type, shape: meshes.append(
+        (device_type, shape)) or f"mesh of {device_type}")
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, mesh=None: sharded.append((module, mesh)))
+    model = GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=2, n_head=2, n_embd=8))  # on the CPU
+    distributed.shard(model)
+    assert meshes == [("cpu", (2,))]
+    assert sharded == [(model.blocks[0], "mesh of cpu"), (model.blocks[1], "mesh of cpu"), (model, "mesh of cpu")]
+
+
 class FakeDDP(torch.nn.Module):
     """DistributedDataParallel's constructor, recorded (the real one needs a process group)."""
 
@@ -228,7 +251,7 @@ def test_ddp_is_given_the_local_gpu_on_cuda_and_no_device_on_the_cpu(monkeypatch
     monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", FakeDDP)
     model = torch.nn.Linear(2, 2)
     # as train.Trainer._wrap calls it, for rank 3 of 4 (its local rank 1) with compile off
-    trainer = SimpleNamespace(cfg=SimpleNamespace(parallel="ddp", compile=False), world=World(True, 3, 1, 4),
+    trainer = SimpleNamespace(cfg=SimpleNamespace(parallel="ddp"), use_compile=False, world=World(True, 3, 1, 4),
                               device_type=device_type)
     wrapped = train.Trainer._wrap(trainer, model)
     assert isinstance(wrapped, FakeDDP) and wrapped.module is model

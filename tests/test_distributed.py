@@ -122,15 +122,16 @@ def single(data_dir, tmp_path_factory):
     """single(n): (checkpoint, report) of a 1-process run of n steps on the shared batch stream, in this process."""
     done = {}
 
-    def get(max_iters, dataset="tiny", optimizer="adamw"):
-        if (max_iters, dataset, optimizer) not in done:
+    def get(max_iters, dataset="tiny", optimizer="adamw", **model):
+        key = (max_iters, dataset, optimizer, *sorted(model.items()))
+        if key not in done:
             out = tmp_path_factory.mktemp(f"single{max_iters}") / "out"
             args = [str(a) for a in train_args(data_dir, out, max_iters=max_iters, dataset=dataset,
-                                               optimizer=optimizer)]
+                                               optimizer=optimizer, **model)]
             instruments = Instruments(shared=True, float64=True)
             run_in_process(lambda argv: instrumented_run(argv, instruments), *args, check=True)
-            done[max_iters, dataset, optimizer] = ckpt(out), instruments.report()
-        return done[max_iters, dataset, optimizer]
+            done[key] = ckpt(out), instruments.report()
+        return done[key]
 
     return get
 
@@ -198,16 +199,17 @@ def shard_dir(data_dir, tmp_path_factory):
 def test_llm_c_shards_on_2_ranks_with_muon_equal_one_process_under_ddp_and_resume_exactly_under_fsdp(
         tmp_path, shard_dir, single):
     # --dataset=DIR of llm.c shards, --optimizer=muon: 2 steps under DDP, then resumed under FSDP (whose Muon
-    # step gathers each sharded matrix whole for Newton-Schulz and keeps its own shard of the result) to 4
-    out, dataset = tmp_path / "out", str(shard_dir)
+    # step gathers the shards of each shape's matrices whole, stacked, for Newton-Schulz and keeps its own shard
+    # of each result) to 4. 33 wide, 3 heads: the matrices' 33 and 99 rows split unevenly over 2 ranks (17 + 16)
+    out, dataset, model = tmp_path / "out", str(shard_dir), dict(n_embd=33, n_head=3)
 
     def args(**kw):
-        return train_args(shard_dir, out, dataset=dataset, optimizer="muon", **kw)
+        return train_args(shard_dir, out, dataset=dataset, optimizer="muon", **model, **kw)
 
     ok(launch(args(max_iters=2), tmp_path / "r1", SHARED_BATCHES=1))
     ranks = [report(tmp_path / "r1", r)["batches"] for r in (0, 1)]
     assert not set(ranks[0]) & set(ranks[1])  # every rank trains on other windows
-    ref_ckpt, ref = single(2, dataset, "muon")
+    ref_ckpt, ref = single(2, dataset, "muon", **model)
     assert ranks[0][:2] + ranks[1][:2] == ref["batches"][:4]  # the one-process run's global batch, split
     assert max_weight_diff(ckpt(out), ref_ckpt) < TOL
 
@@ -218,7 +220,7 @@ def test_llm_c_shards_on_2_ranks_with_muon_equal_one_process_under_ddp_and_resum
     assert report(tmp_path / "r2", 1)["exchanges"] == {"2": 3, "3": 3}
     muon_state = ckpt(out)["optimizer"]["state"]["blocks.0.attn.qkv.weight"]
     assert set(muon_state) == {"momentum_buffer", "step"} and muon_state["step"].item() == 4  # Muon's, not AdamW's
-    assert max_weight_diff(ckpt(out), single(4, dataset, "muon")[0]) < TOL  # the uninterrupted run's
+    assert max_weight_diff(ckpt(out), single(4, dataset, "muon", **model)[0]) < TOL  # the uninterrupted run's
 
 
 def test_fsdp_step_equals_single_process_and_its_checkpoint_samples_in_one_process(tmp_path, data_dir, single):

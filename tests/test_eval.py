@@ -202,19 +202,20 @@ def test_malformed_hellaswag_files_are_one_line_errors(tmp_path, hf_dir, content
 
 def test_bad_inputs_are_one_line_errors(tmp_path, hf_dir):
     path = hf_dir[0]
-    proc = run_in_process(evaluation.main, f"--init_from={path}", f"--hellaswag={tmp_path / 'none.jsonl'}")
+    proc = run_in_process(evaluation.main, f"--init_from={path}", f"--hellaswag={tmp_path / 'none.jsonl'}",
+                          "--device=cpu")  # (pinned: on a machine with a GPU, device=auto would load it there)
     assert_one_error_line(proc, "none.jsonl", "--hellaswag")
     (tmp_path / "empty.txt").write_text("", encoding="utf-8")
-    proc = run_in_process(evaluation.main, f"--init_from={path}", f"--text={tmp_path / 'empty.txt'}")
+    proc = run_in_process(evaluation.main, f"--init_from={path}", f"--text={tmp_path / 'empty.txt'}", "--device=cpu")
     assert_one_error_line(proc, "empty.txt", "nothing to predict")
-    proc = run_in_process(evaluation.main, f"--init_from={path}", f"--text={tmp_path / 'missing.txt'}")
+    proc = run_in_process(evaluation.main, f"--init_from={path}", f"--text={tmp_path / 'missing.txt'}", "--device=cpu")
     assert_one_error_line(proc, "missing.txt")
     # a character-level model (a Hugging Face directory whose meta.json says so) asked for HellaSwag
     char_dir = tmp_path / "char"
     hf_model().save_pretrained(char_dir)
     meta.write(meta.DatasetMeta(tokenizer="char", vocab_size=5, chars="abcde"), char_dir)
     data = write_jsonl(tmp_path / "hs.jsonl", EXAMPLES)
-    proc = run_in_process(evaluation.main, f"--init_from={char_dir}", f"--hellaswag={data}")
+    proc = run_in_process(evaluation.main, f"--init_from={char_dir}", f"--hellaswag={data}", "--device=cpu")
     assert_one_error_line(proc, "HellaSwag needs a GPT-2 BPE model", "char", "--text")
 
 
