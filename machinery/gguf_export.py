@@ -24,9 +24,9 @@ float16 values, whatever the model; so its float32 logits agree with ours within
 the table's own rounding).
 """
 
+import importlib
+import json
 import os
-
-import numpy as np
 
 from machinery import convert
 from machinery.errors import UserError
@@ -40,11 +40,11 @@ _CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 
 
 def import_gguf():
+    """The gguf package (optional: only --to=gguf needs it), or a one-line error saying how to install it."""
     try:
-        import gguf
+        return importlib.import_module("gguf")
     except ImportError:
         raise UserError(f"export.py --to=gguf needs the gguf package: {INSTALL}") from None
-    return gguf
 
 
 def check_outtype(outtype):
@@ -55,8 +55,6 @@ def check_outtype(outtype):
 def gpt2_vocab(gguf, vocab_size):
     """The tokenizer's entries of a GGUF file: GPT-2's tokens (byte-level strings, as Hugging Face's vocab.json
     writes them) padded to the model's vocab_size with unused ones, their types, and GPT-2's merges."""
-    import json
-
     vocab_bpe, encoder_json = gpt2_bpe_files()
     with open(encoder_json, encoding="utf-8") as f:
         ids = json.load(f)
