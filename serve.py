@@ -58,7 +58,7 @@ class ServeConfig(loading.RunSource):
 def build(cfg):
     """The model loaded, its engine (not started) and the API's shared state."""
     loaded = loading.load_run(cfg)
-    model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile)
+    model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
     runner = engine.Engine(model, loaded.tokenizer, loaded.device, cfg.max_batch, cfg.max_waiting)
     limits = openai_api.Limits(cfg.max_tokens, cfg.max_n, cfg.max_body)
     return openai_api.Server(runner, loaded.tokenizer, cfg.served_name, limits, cfg.api_key), loaded

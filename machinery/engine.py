@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from machinery import hardware
+from machinery import quantize as quantization
 from model import KVCache, RowCaches, sample_next
 
 FINISHED = ("stop", "length", "abort")  # why a generation ended: a stop text or token, max_tokens, cancelled
@@ -205,12 +206,13 @@ class PackedLinear(nn.Module):
         return y[:rows].reshape(*x.shape[:-1], -1)
 
 
-def prepare(model, device, dtype, compile=False):
+def prepare(model, device, dtype, compile=False, quantize=None):
     """The model ready to decode on device in dtype ("float32", "bfloat16", "float16"): in eval mode, its
     weights in dtype, and on the CPU its linear layers prepacked where that is faster (can_pack). compile:
     torch.compile it in place instead (inductor chooses its own kernels, and packs weights itself; whether a
-    row's result then depends on the others is up to them)."""
-    model = model.eval().to(device=device, dtype=hardware.DTYPES[dtype])
+    row's result then depends on the others is up to them). quantize="int8": int8 weights for the linear
+    layers that take them (machinery/quantize.py), before either."""
+    model = quantization.quantize(model.eval().to(device=device, dtype=hardware.DTYPES[dtype]), quantize)
     if compile:
         model.compile(dynamic=True)  # in place: the engine's calls to the model run compiled
         return model
