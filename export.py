@@ -20,6 +20,7 @@ A model a format cannot express is refused in one line, and nothing is written. 
 too (--out_dir=its out_dir --ckpt=latest).
 """
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -60,7 +61,8 @@ def main(argv=None):
         gguf_export.import_gguf()  # before loading anything
     loaded = loading.load(cfg)  # on the CPU, in float32
     if cfg.to == "gguf":
-        gguf_export.write_gguf(dests[0], loaded.model, loaded.data_meta, cfg.outtype or "f16", name=cfg.name)
+        name = os.path.basename(os.path.normpath(cfg.name))  # (general.name: the out_dir's or init_from's last part)
+        gguf_export.write_gguf(dests[0], loaded.model, loaded.data_meta, cfg.outtype or "f16", name=name)
         print(f"wrote {dests[0]} ({cfg.outtype or 'f16'}) from {cfg.name}")
         return
     config, tensors = convert.to_hf(loaded.model, loaded.data_meta)

@@ -12,6 +12,7 @@ compared with our model.
 
 import contextlib
 import io
+import math
 import random
 import sys
 
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from conftest import WORDS, assert_one_error_line, perturb, run_in_process, tiny_train_args
 from conftest import train as train_in_process
 import export
-from machinery import checkpoint, gguf_export
+from machinery import bench_serve, checkpoint, gguf_export, scoring
 from machinery.meta import DatasetMeta
 from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig
@@ -146,7 +147,7 @@ def trained(tmp_path_factory):
                                       warmup_iters=5, learning_rate=1e-2))
     model = checkpoint.load(root / "out" / "best.pt").build_model().eval()
     assert model.config.gelu == "none" and not model.config.bias
-    held_out = GPT2Tokenizer().encode((" ".join(cycle[7:] + cycle[:7]) + "\n") * 5)[:128]
+    held_out = GPT2Tokenizer().encode((" ".join(cycle[7:] + cycle[:7]) + "\n") * 12)[:300]
     return root / "out", model, held_out
 
 
@@ -156,21 +157,18 @@ def export_gguf(out, outtype, path):
 
 
 def test_f16_greedy_tokens_are_ours_for_100_steps(tmp_path, trained):
-    """100 greedy tokens from a prompt, and the greedy choice at each of the 127 positions of held-out text:
-    llama.cpp reading float16 weights picks our float32 model's token every time (its logits within 1e-2)."""
+    """100 greedy tokens from a prompt (as bench.py --mode=serve decodes in llama.cpp: its default float16 KV
+    cache), and the greedy choice at each of the 127 positions of held-out text: llama.cpp reading float16
+    weights picks our float32 model's token every time (its logits within 1e-2)."""
     out, model, held_out = trained
     prompt = held_out[:3]
     with torch.no_grad():
         expected = model.generate(torch.tensor([prompt]), 100, temperature=0)[0, len(prompt):].tolist()
-        ours = model(torch.tensor([held_out]), every_position=True)[0][0]
-    with llama(export_gguf(out, "f16", tmp_path / "m.gguf"), 128) as llm:
-        llm.reset()
-        llm.eval(prompt)
-        greedy = []
-        for _ in range(100):
-            greedy.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-            llm.eval(greedy[-1:])
-        theirs = llama_logits(llm, held_out)[:, :model.config.vocab_size]
+        ours = model(torch.tensor([held_out[:128]]), every_position=True)[0][0]
+    path = export_gguf(out, "f16", tmp_path / "m.gguf")
+    greedy = bench_serve.llama_cpp_greedy(str(path), prompt, 100, threads=2)()
+    with llama(path, 128) as llm:
+        theirs = llama_logits(llm, held_out[:128])[:, :model.config.vocab_size]
     assert len(set(expected)) > 20  # varied: the model goes through the cycle's words
     assert greedy == expected
     assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
@@ -178,21 +176,31 @@ def test_f16_greedy_tokens_are_ours_for_100_steps(tmp_path, trained):
 
 
 def test_q8_0_perplexity_on_held_out_text_is_within_1_percent_of_float32(tmp_path, trained):
+    """Over eval.py --text's windows (scoring.text_loss: 3 windows of the 300 held-out tokens), as bench.py
+    --mode=serve measures llama.cpp's bits per byte."""
     out, model, held_out = trained
-    idx = torch.tensor(held_out)
-    with torch.no_grad():
-        ours = F.cross_entropy(model(idx[None], every_position=True)[0][0, :-1], idx[1:]).exp().item()
-    perplexities = {}
-    for outtype in ("f32", "q8_0"):
-        with llama(export_gguf(out, outtype, tmp_path / f"{outtype}.gguf"), 128) as llm:
-            logits = llama_logits(llm, held_out)
-        perplexities[outtype] = F.cross_entropy(logits[:-1, :model.config.vocab_size], idx[1:]).exp().item()
+    nats, count = scoring.text_loss(model, held_out, "cpu")
+    ours = math.exp(nats / count)
+    perplexities = {outtype: math.exp(bench_serve.llama_cpp_text_loss(
+        str(export_gguf(out, outtype, tmp_path / f"{outtype}.gguf")), held_out, 128, threads=2) / count)
+        for outtype in ("f32", "q8_0")}
     assert ours < 100  # trained: far below the 50257 of a uniform guess
-    assert abs(perplexities["f32"] / ours - 1) < 1e-4
+    assert abs(perplexities["f32"] / ours - 1) < 1e-4, (ours, perplexities)
     assert abs(perplexities["q8_0"] / ours - 1) < 0.01, (ours, perplexities)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "q8_0.gguf").tensors}
     assert types["blk.0.ffn_up.weight"] == types["token_embd.weight"] == "Q8_0"
     assert types["blk.0.ffn_up.bias"] == types["output_norm.weight"] == types["position_embd.weight"] == "F32"
+
+
+def test_the_benchmarks_bytes_per_token_of_a_model_counted_by_hand():
+    """bench.py --mode=serve's memory bound: the weights a decoding step reads. 1 layer, 32 wide, 100 tokens: the
+    matrices 96x32, 32x32, 128x32 and 32x128, and the output layer 100x32 (the token embedding, tied)."""
+    model = GPT(GPTConfig(block_size=8, vocab_size=100, n_layer=1, n_head=2, n_embd=32))
+    weights, rows = 96 * 32 + 32 * 32 + 128 * 32 + 32 * 128 + 100 * 32, 96 + 32 + 128 + 32 + 100
+    assert bench_serve.weight_bytes(model, "float32") == 4 * weights
+    assert bench_serve.weight_bytes(model, "bfloat16") == 2 * weights
+    assert bench_serve.weight_bytes(model, "int8") == weights + 2 * rows
+    assert bench_serve.weight_bytes(model, "q8_0") == weights // 32 * 34
 
 
 # ---------------------------------------------------------------------- what cannot be written
