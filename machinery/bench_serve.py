@@ -202,7 +202,8 @@ def bits_per_byte(cfg, workdir):
         nats = llama_cpp_text_loss(path, ids, loaded.model.config.block_size, torch.get_num_threads())
         figures[f"llama.cpp {outtype}"] = nats / math.log(2) / len(text.encode("utf-8"))
     for name, bits in figures.items():
-        print(f"  {name:20} {bits:.4f} bits per byte ({bits / figures['ours float32'] - 1:+.2%})", flush=True)
+        print(f"  {name:20} {bits:.4f} bits per byte ({bits / figures['ours float32'] - 1:+.3%} against ours in "
+              f"float32)", flush=True)
     return figures
 
 

@@ -63,11 +63,13 @@ class Int8Linear(nn.Module):
 
     def forward(self, x):
         rows = x.shape[:-1]
-        # a fresh contiguous bfloat16 copy: the kernel's aligned loads need a row start it allocated itself
-        xb = x.reshape(-1, self.in_features).to(torch.bfloat16, memory_format=torch.contiguous_format, copy=True)
+        xb = x.reshape(-1, self.in_features)
+        if xb.dtype != torch.bfloat16 or not xb.is_contiguous() or xb.data_ptr() % 64:
+            # the kernel's aligned loads need contiguous rows that start where an allocation does
+            xb = xb.to(torch.bfloat16, memory_format=torch.contiguous_format, copy=True)
         y = torch.ops.aten._weight_int8pack_mm(xb, self.weight_int8, self.scale.to(torch.bfloat16)).to(x.dtype)
         if self.bias is not None:
-            y = y + self.bias
+            y.add_(self.bias)  # (y is this call's own tensor)
         return y.view(*rows, self.out_features)
 
 
