@@ -47,6 +47,7 @@ from machinery.meta import DatasetMeta
 from machinery.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE
 from model import GPT
 
+READ_BYTES = 1 << 29  # (512 MiB: far beyond any cache)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -82,7 +83,8 @@ def batch_one(cfg, hf_dir, model, dtype, workdir):
     """Greedy batch-1 tokens/s, alternating: our engine (as serve.py runs it) at dtype and with int8 weights
     (--quantize=int8, the rest in dtype), llama.cpp on the same weights in Q8_0 and F16 (GGUF files of
     export.py --to=gguf), and transformers' generate in float32 (and in dtype when that is another);
-    {name: (tokens/s, bytes of weights read per token)}."""
+    ({name: (tokens/s, bytes of weights read per token)}, the memory's read bandwidth in bytes/s: a sum over
+    READ_BYTES of float32, timed in turn with the rows, so that it sees the same load)."""
     from transformers import GPT2LMHeadModel
     from transformers.utils import logging
 
@@ -122,8 +124,11 @@ def batch_one(cfg, hf_dir, model, dtype, workdir):
             "transformers generate (float32)": (transformers(torch.float32), "float32")}
     if dtype != "float32":  # transformers in our precision too: the same bytes to read per token
         runs[f"transformers generate ({dtype})"] = (transformers(DTYPES[dtype]), dtype)
-    seconds = alternating({name: f for name, (f, _) in runs.items()}, cfg.warmup, cfg.repeats)
-    return {name: (n / seconds[name], weight_bytes(model, kind)) for name, (_, kind) in runs.items()}
+    memory = torch.ones(READ_BYTES // 4)  # the memory's read bandwidth, measured in turn with the rows
+    seconds = alternating({**{name: f for name, (f, _) in runs.items()}, "memory": memory.sum},
+                          cfg.warmup, cfg.repeats)
+    rates = {name: (n / seconds[name], weight_bytes(model, kind)) for name, (_, kind) in runs.items()}
+    return rates, READ_BYTES / seconds["memory"]
 
 
 def llama_cpp_greedy(path, prompt, n, threads):
@@ -157,27 +162,17 @@ def weight_bytes(model, kind):
     return weights * per_weight + (2 * rows if kind == "int8" else 0)
 
 
-def read_bandwidth(repeats=7, size=1 << 29):
-    """Bytes/s this process reads memory at (the median of repeats sums of a size-byte float32 array, on
-    torch's threads): what decoding, which reads every weight once per token, is bound by."""
-    x = torch.ones(size // 4)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return size / statistics.median(times)
-
-
 def print_batch_one(rates, bandwidth):
+    """The batch-1 table: each row's tokens/s against transformers' float32, and against its memory bound (the
+    tokens/s at which its weights stream at the measured bandwidth)."""
     base = next(v[0] for k, v in rates.items() if k.endswith("(float32)") and k.startswith("transformers"))
-    print(f"  {'':40} {'tokens/s':>9} {'x transformers fp32':>20} {'weights/token':>14} {'of memory bound':>16}")
+    print(f"  {'':40} {'tokens/s':>9} {'x transformers fp32':>20} {'weights/token':>14} {'memory bound':>13} "
+          f"{'reached':>8}")
     for name, (rate, nbytes) in rates.items():
-        print(f"  {name:40} {rate:9.1f} {rate / base:19.2f}x {nbytes / 1e6:11.0f} MB {rate * nbytes / bandwidth:15.0%}",
-              flush=True)
-    print(f"  memory bound: {bandwidth / 1e9:.1f} GB/s read (measured: a sum over 512 MiB) / the weights' bytes per "
-          f"token; e.g. {bandwidth / next(iter(rates.values()))[1]:.0f} tokens/s for the first row", flush=True)
+        print(f"  {name:40} {rate:9.1f} {rate / base:19.2f}x {nbytes / 1e6:11.0f} MB {bandwidth / nbytes:13.1f} "
+              f"{rate * nbytes / bandwidth:8.0%}", flush=True)
+    print(f"  memory bound: weight bytes per token / {bandwidth / 1e9:.1f} GB/s, the read bandwidth measured in turn "
+          f"with the rows (a sum over {READ_BYTES >> 20} MiB of float32)", flush=True)
 
 
 def bits_per_byte(cfg, workdir):
@@ -288,8 +283,8 @@ def bench_serve(cfg, workdir):
           f"{cfg.n_embd} wide, vocab {model.config.vocab_size}), random weights; {describe('cpu', dtype)}", flush=True)
     print(f"batch 1, greedy, {cfg.serve_tokens} new tokens after {cfg.prompt_len}, median of {cfg.repeats} "
           f"after {cfg.warmup} warm-up (alternating):", flush=True)
-    rates = batch_one(cfg, hf_dir, model, dtype, workdir)
-    print_batch_one(rates, read_bandwidth())
+    rates, bandwidth = batch_one(cfg, hf_dir, model, dtype, workdir)
+    print_batch_one(rates, bandwidth)
     bpb = bits_per_byte(cfg, workdir) if cfg.text else None
     port = free_port()
     server = start_server(hf_dir, dtype, port)
@@ -316,4 +311,4 @@ def bench_serve(cfg, workdir):
     finally:
         server.terminate()
         server.wait(timeout=60)
-    return rates, figures, same, bpb
+    return rates, bandwidth, figures, same, bpb
