@@ -37,10 +37,12 @@ mode=faults: serve.py against a long prompt among running streams, clients that 
 hang up (machinery/bench_faults.py).
 
 mode=serve: serve.py under load (streaming clients at once: tokens/s, time to the first token, gaps between
-tokens; seeded requests at once against one at a time) and batch-1 decoding of the generation engine against
-transformers' generate, on a random model of GPT-2's architecture. See machinery/bench_serve.py.
+tokens; seeded requests at once against one at a time) and batch-1 decoding of the generation engine (also with
+int8 weights) against transformers' generate and llama.cpp (Q8_0, F16), on a random model of GPT-2's
+architecture, with the memory bound; with --text, bits per byte of a trained model (--out_dir) in float32, int8
+and llama.cpp's q8_0. See machinery/bench_serve.py.
 
-    python bench.py --mode=serve [--clients=1,8,32] [--serve_tokens=100] [--dtype=auto]
+    python bench.py --mode=serve [--clients=1,8,32] [--serve_tokens=100] [--dtype=auto] [--out_dir=DIR --text=FILE]
 
 Every train.py setting is a setting here too, so training config files work as they are;
 vocab_size defaults to the configured dataset's when it has been prepared. Each figure is the
@@ -96,6 +98,8 @@ class BenchConfig(TrainConfig):
     shard_tokens: int = setting(0, "mode=prepare: tokens per shard (0: prepare.py's 100M)")
     clients: str = setting("1,8,32", "mode=serve: numbers of concurrent streaming clients, comma-separated")
     serve_tokens: int = setting(100, "mode=serve: tokens each request generates")
+    text: str = setting("", "mode=serve: a held-out UTF-8 text: bits per byte on it of the trained GPT-2 BPE model "
+                            "in out_dir, float32, int8 and llama.cpp's q8_0 (empty: not measured)")
 
     def validate(self):
         super().validate()

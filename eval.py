@@ -27,6 +27,7 @@ from machinery import configurator, distributed, loading, scoring
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 from machinery.fileio import read_text
+from machinery.quantize import quantize
 
 
 @dataclass
@@ -73,6 +74,7 @@ def text_figures(loaded, path, batch_size, world):
 def evaluate(cfg, world, device):
     """The figures cfg asks for, as a dict: {"hellaswag": {...}, "text": {...}}."""
     loaded = loading.load(cfg, device, cfg.dtype)
+    quantize(loaded.model, cfg.quantize)  # --quantize=int8: the int8 weights that decoding runs with
     results = {"model": cfg.name, "dtype": loaded.dtype}
     if cfg.runs_hellaswag:
         scoring.require_gpt2(loaded.tokenizer.kind, "this model", "evaluate it with --text=FILE instead")

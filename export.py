@@ -1,29 +1,53 @@
 """
-Export a trained model to Hugging Face's GPT-2 format:
+Export a trained model for other tools:
 
-    python export.py --out_dir=out-shakespeare hf-shakespeare
+    python export.py --out_dir=out-shakespeare hf-shakespeare                    # Hugging Face (--to=hf)
+    python export.py --out_dir=out-shakespeare --to=gguf --outtype=q8_0 s.gguf   # llama.cpp, Ollama, LM Studio
 
-writes hf-shakespeare/config.json and model.safetensors, which transformers loads with
-GPT2LMHeadModel.from_pretrained("hf-shakespeare"), and so do this repository's
-convert.load_hf and --init_from=hf-shakespeare. The checkpoint's tokenizer goes
-into meta.json beside them (for sample.py). A model GPT-2's format cannot express is
-refused; see convert.to_hf for how the exact GELU and bias=False are written.
-nanoGPT's ckpt.pt exports too (--out_dir=its out_dir --ckpt=latest).
+--to=hf writes a Hugging Face GPT-2 directory: config.json, generation_config.json and model.safetensors,
+which transformers loads with GPT2LMHeadModel.from_pretrained("hf-shakespeare") (and pipeline(
+"text-generation", model="hf-shakespeare"), and llama.cpp's convert_hf_to_gguf.py converts), and so do this
+repository's convert.load_hf and --init_from=hf-shakespeare; for GPT-2 BPE models also GPT-2's tokenizer
+(vocab.json, merges.txt, tokenizer_config.json, special_tokens_map.json: AutoTokenizer encodes as ours does).
+A character-level model has no Hugging Face tokenizer: its export says so and writes the model. The
+checkpoint's tokenizer also goes into meta.json (for sample.py). See convert.to_hf for how the exact GELU
+and bias=False are written.
+
+--to=gguf writes one GGUF file (llama.cpp's GPT-2 architecture, the tokenizer inside; machinery/gguf_export.py)
+in --outtype f32, f16 (the default) or q8_0. Needs the gguf package: pip install gguf==0.19.0.
+
+A model a format cannot express is refused in one line, and nothing is written. nanoGPT's ckpt.pt exports
+too (--out_dir=its out_dir --ckpt=latest).
 """
 
+import os
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
-from machinery import configurator, convert, loading
+from machinery import configurator, convert, gguf_export, loading
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 
-USAGE = "python export.py [--out_dir=DIR] [--ckpt=best|latest] [--to=hf] DEST  (DEST: a new or empty directory)"
+USAGE = ("python export.py [--out_dir=DIR] [--ckpt=best|latest] [--to=hf|gguf] [--outtype=f32|f16|q8_0] DEST  "
+         "(DEST: a new or empty directory for hf, a new file for gguf)")
 
 
 @dataclass
 class ExportConfig(loading.ModelSource):
-    to: str = setting("hf", "format: hf (Hugging Face GPT2LMHeadModel: config.json + model.safetensors in DEST)")
+    to: str = setting("hf", "format: hf (Hugging Face GPT2LMHeadModel and its tokenizer: a directory) or gguf "
+                            "(llama.cpp: one file)")
+    outtype: Optional[str] = setting(None, "to=gguf: the weights' type, f32, f16 or q8_0 (None: f16)")
+
+    def validate(self):
+        super().validate()
+        if self.to not in ("hf", "gguf"):
+            raise UserError(f"--to must be hf (Hugging Face GPT-2) or gguf (llama.cpp), got {self.to!r}")
+        if self.to == "gguf":
+            gguf_export.check_outtype(self.outtype or "f16")
+        elif self.outtype is not None:
+            raise UserError(f"--outtype is for --to=gguf; a Hugging Face export keeps the model's float32 "
+                            f"(drop --outtype={self.outtype})")
 
 
 def main(argv=None):
@@ -31,14 +55,22 @@ def main(argv=None):
     cfg = configurator.parse(ExportConfig, [a for a in argv if a.startswith("-")], usage=USAGE, extra_files_ok=False)
     dests = [a for a in argv if not a.startswith("-")]
     if len(dests) != 1:
-        raise UserError(f"give one destination directory: {USAGE}")
-    if cfg.to != "hf":
-        raise UserError(f"--to must be hf (Hugging Face GPT-2), got {cfg.to!r}")
+        raise UserError(f"give one destination: {USAGE}")
     cfg.validate()
+    if cfg.to == "gguf":
+        gguf_export.import_gguf()  # before loading anything
     loaded = loading.load(cfg)  # on the CPU, in float32
+    if cfg.to == "gguf":
+        name = os.path.basename(os.path.normpath(cfg.name))  # (general.name: the out_dir's or init_from's last part)
+        gguf_export.write_gguf(dests[0], loaded.model, loaded.data_meta, cfg.outtype or "f16", name=name)
+        print(f"wrote {dests[0]} ({cfg.outtype or 'f16'}) from {cfg.name}")
+        return
     config, tensors = convert.to_hf(loaded.model, loaded.data_meta)
-    convert.write_hf(dests[0], config, tensors, loaded.data_meta)
-    print(f"wrote {dests[0]}/config.json and model.safetensors from {cfg.name}")
+    written = convert.write_hf(dests[0], config, tensors, loaded.data_meta)
+    if "vocab.json" not in written:
+        print(f"note: no Hugging Face tokenizer exists for this model's {loaded.data_meta.tokenizer} tokenizer: "
+              f"wrote the model without tokenizer files (meta.json holds its vocabulary)", file=sys.stderr)
+    print(f"wrote {dests[0]}: {', '.join(written)} from {cfg.name}")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def main(argv=None):
     cfg.validate()
     loaded = loading.load_run(cfg)
     tokenizer = loaded.tokenizer
-    model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile)
+    model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
     prompt = read_prompt(cfg.start)
     if not prompt:
         raise UserError("the prompt is empty; give some text with --start")

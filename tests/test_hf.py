@@ -19,14 +19,15 @@ import torch
 
 from transformers import GPT2LMHeadModel
 
-from conftest import assert_one_error_line, assert_one_line, finetune_args, hf_model, perturb, run_in_process
+from conftest import assert_one_error_line, assert_one_line, finetune_args, hf_model, make_corpus, perturb
+from conftest import run_in_process
 from conftest import train as train_in_process
 import export
 from machinery import checkpoint, convert, engine
 from machinery.configurator import parse
 from machinery.errors import UserError
 from machinery.meta import DatasetMeta
-from machinery.tokenizer import GPT2Tokenizer
+from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig
 import sample
 import train
@@ -267,13 +268,16 @@ def test_bad_init_from_is_one_line_and_exit_2(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------- export
 
 
-def our_checkpoint(out_dir, gelu="tanh", bias=True, seed=5, qk_norm=False, mlp_ratio=4):
-    """A random model of ours saved as out_dir/best.pt; returns the model."""
+def our_checkpoint(out_dir, gelu="tanh", bias=True, seed=5, qk_norm=False, mlp_ratio=4, data_meta=None):
+    """A random model of ours saved as out_dir/best.pt (GPT-2 BPE unless data_meta says otherwise); returns the
+    model."""
+    data_meta = data_meta or DatasetMeta.gpt2()
     torch.manual_seed(seed)
-    model = perturb(GPT(GPTConfig(block_size=48, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, bias=bias,
-                                  gelu=gelu, dropout=0.1, qk_norm=qk_norm, mlp_ratio=mlp_ratio)), seed).eval()
+    model = perturb(GPT(GPTConfig(block_size=48, vocab_size=max(VOCAB, data_meta.vocab_size), n_layer=2, n_head=4,
+                                  n_embd=32, bias=bias, gelu=gelu, dropout=0.1, qk_norm=qk_norm,
+                                  mlp_ratio=mlp_ratio)), seed).eval()
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = checkpoint.training_state(model.state_dict(), model.config, train.TrainConfig(), DatasetMeta.gpt2(),
+    state = checkpoint.training_state(model.state_dict(), model.config, train.TrainConfig(), data_meta,
                                       iter_num=7, best_val_loss=3.0)
     checkpoint.save(state, str(out_dir / checkpoint.BEST))
     return model
@@ -338,11 +342,101 @@ def test_export_refuses_what_gpt2_cannot_express_and_overwrites_nothing(tmp_path
     assert (dest / "config.json").read_text() == "mine"
     with pytest.raises(UserError, match="no checkpoint in"):
         export.main([f"--out_dir={tmp_path / 'missing'}", str(tmp_path / "x")])
-    with pytest.raises(UserError, match="give one destination directory"):
+    with pytest.raises(UserError, match="give one destination"):
         export.main([f"--out_dir={tmp_path / 'out'}"])
     with pytest.raises(SystemExit) as exit_:
         export.main(["--help"])
     assert exit_.value.code == 0
+
+
+# what tools that take a Hugging Face directory read from an export
+
+# the keys of OpenAI's gpt2 config.json on the hub (openai-community/gpt2), written out here
+GPT2_CONFIG_KEYS = {"activation_function", "architectures", "attn_pdrop", "bos_token_id", "embd_pdrop", "eos_token_id",
+                    "initializer_range", "layer_norm_epsilon", "model_type", "n_ctx", "n_embd", "n_head", "n_layer",
+                    "n_positions", "resid_pdrop", "summary_activation", "summary_first_dropout",
+                    "summary_proj_to_labels", "summary_type", "summary_use_proj", "vocab_size"}
+# texts whose ids must come out the same: Unicode (accents, CJK, emoji with joiners, a combining mark), runs of
+# spaces, tabs and newlines, contractions and digits (GPT-2's pre-tokenizer splits them), <|endoftext|>
+TEXTS = ["ROMEO: What light through yonder window breaks?",
+         "héllo wörld — 你好世界 🚀😶\u200d🌫️ café\u0301 нещо на Български",
+         "  \n\n\t  x   y\t\t\n   \n    ", " 's 't 'RE I've 3333333 3.3 ...!!!???",
+         "the end<|endoftext|>A new one <|endoftext|>\n"]
+# llama.cpp's convert_hf_to_gguf.py (vendored in llama-cpp-python 0.3.36's sources, conversion/base.py) knows a
+# BPE tokenizer's pre-tokenizer by the sha256 of str(tokenizer.encode(CHKTXT)); this hash is its "gpt-2"
+# (ref openai-community/gpt2). Another hash stops the conversion ("BPE pre-tokenizer was not recognized").
+LLAMA_CPP_CHKTXT = ('\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis '
+                    'concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 '
+                    '?我想在apple工作1314151天～ ------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!'
+                    '?????? I\'ve been \'told he\'s there, \'RE you sure? \'M not sure I\'ll make it, \'D you like '
+                    'some tea? We\'Ve a\'lL')
+LLAMA_CPP_GPT2_HASH = "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A model of ours exported with export.py (a GPT-2 BPE checkpoint): (the directory, our model)."""
+    root = tmp_path_factory.mktemp("export")
+    ours = our_checkpoint(root / "out")
+    run_in_process(export.main, f"--out_dir={root / 'out'}", root / "hf", check=True)
+    return root / "hf", ours
+
+
+def test_export_has_every_file_and_config_field_that_tools_read(exported):
+    dest, ours = exported
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "config.json", "generation_config.json", "merges.txt", "meta.json", "model.safetensors",
+        "special_tokens_map.json", "tokenizer_config.json", "vocab.json"]
+    config = json.loads((dest / "config.json").read_text())
+    assert GPT2_CONFIG_KEYS <= config.keys()
+    assert config["n_ctx"] == config["n_positions"] == 48 and config["bos_token_id"] == config["eos_token_id"] == 50256
+    # what llama.cpp's converter reads for GPT2LMHeadModel (conversion/gpt2.py: set_gguf_parameters; base.py:
+    # the block count), each a KeyError there when missing: n_ctx was (issue 29)
+    assert all(config[k] == v for k, v in dict(architectures=["GPT2LMHeadModel"], n_layer=2, n_ctx=48, n_embd=32,
+                                               n_head=4, layer_norm_epsilon=1e-5).items())
+    assert json.loads((dest / "generation_config.json").read_text()) == {"bos_token_id": 50256, "eos_token_id": 50256}
+
+
+def test_autotokenizer_of_an_export_encodes_and_decodes_as_ours(exported):
+    from transformers import AutoTokenizer
+
+    tok, ours = AutoTokenizer.from_pretrained(exported[0]), GPT2Tokenizer()
+    assert len(tok) == VOCAB and tok.eos_token_id == tok.bos_token_id == 50256
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == ours.encode_with_specials(text), text  # <|endoftext|> is the special token, as in HF
+        assert tok.decode(ids) == ours.decode(ids) == text
+    assert TEXTS[-1].count("<|endoftext|>") == tok.encode(TEXTS[-1]).count(50256) == 2
+    assert hashlib.sha256(str(tok.encode(LLAMA_CPP_CHKTXT)).encode()).hexdigest() == LLAMA_CPP_GPT2_HASH
+
+
+def test_pipeline_text_generation_on_an_export_continues_as_we_do(exported):
+    """transformers' pipeline("text-generation", model=DIR), greedy: our model's greedy continuation."""
+    from transformers import pipeline
+
+    dest, ours = exported
+    prompt, tok = TEXTS[0], GPT2Tokenizer()
+    with torch.no_grad():
+        ids = ours.generate(torch.tensor([tok.encode(prompt)]), 10, temperature=0)[0].tolist()
+    generator = pipeline("text-generation", model=str(dest), device="cpu")
+    out = generator(prompt, max_new_tokens=10, do_sample=False)
+    assert out[0]["generated_text"] == tok.decode(ids)
+
+
+def test_a_character_model_exports_without_a_tokenizer_and_says_so(tmp_path):
+    chars = CharTokenizer(sorted(set(make_corpus(50))))
+    ours = our_checkpoint(tmp_path / "out", data_meta=DatasetMeta.of(chars))
+    proc = run_in_process(export.main, f"--out_dir={tmp_path / 'out'}", tmp_path / "hf", check=True)
+    notes = proc.stderr.strip().splitlines()
+    assert len(notes) == 1 and "no Hugging Face tokenizer" in notes[0] and "char" in notes[0]
+    assert not any((tmp_path / "hf" / name).exists() for name in ("vocab.json", "merges.txt", "tokenizer_config.json"))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["bos_token_id"] is config["eos_token_id"] is None  # not GPT-2's 50256
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    idx = tokens(2, T=48)
+    torch.testing.assert_close(hf_logits(hf, idx), our_logits(ours, idx), atol=TOL, rtol=0)
+    assert DatasetMeta.from_dict(json.loads((tmp_path / "hf" / "meta.json").read_text()), "meta.json").chars == \
+        chars.chars
 
 
 # ---------------------------------------------------------------------- sample.py and train.py

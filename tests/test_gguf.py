@@ -1,0 +1,229 @@
+"""export.py --to=gguf (machinery/gguf_export.py), checked by llama.cpp itself: the files are loaded with
+llama-cpp-python (a test-only dependency, built from source at install time) and what llama.cpp computes is
+compared with our model.
+
+- f32: the logits within 1e-4 of ours, where GELU is computed as llama.cpp computes it (ggml looks GELU up in
+  a table of float16 values, GGML_GELU_FP16: its float32 GELU is float16-accurate); within a stated bound
+  of our exact model;
+- f16: the same 100 greedy tokens as our float32 model, on a trained model;
+- q8_0: the perplexity on held-out text within 1 % of our float32 model's;
+- the tokenizer inside the file: llama.cpp's token ids are ours.
+"""
+
+import contextlib
+import io
+import math
+import random
+import sys
+
+import gguf
+import llama_cpp
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import WORDS, assert_one_error_line, perturb, run_in_process, tiny_train_args
+from conftest import train as train_in_process
+import export
+from machinery import bench_serve, checkpoint, gguf_export, scoring
+from machinery.meta import DatasetMeta
+from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
+from model import GPT, GPTConfig
+import train
+
+
+TEXTS = ["ROMEO: What light through yonder window breaks?", "héllo — 你好世界 🚀 café\u0301 нещо",
+         "  \n\n\t  x   y\t\t\n   \n", "the end<|endoftext|>A new one <|endoftext|>\n"]
+
+
+@contextlib.contextmanager
+def llama(path, n_ctx):
+    """The GGUF file at path loaded by llama.cpp: float32 KV cache (its default, float16, would round the keys
+    and values), every position's logits, 2 threads."""
+    with contextlib.redirect_stderr(io.StringIO()):  # (llama.cpp's notes)
+        llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=2, logits_all=True, verbose=False,
+                              type_k=gguf.GGMLQuantizationType.F32, type_v=gguf.GGMLQuantizationType.F32)
+    try:
+        yield llm
+    finally:
+        llm.close()
+
+
+def llama_logits(llm, ids):
+    """llama.cpp's logits (len(ids), vocab) of every position of ids, from an empty cache."""
+    llm.reset()
+    llm.eval(ids)
+    return torch.from_numpy(np.array(llm.scores[:len(ids)]))
+
+
+def checkpoint_of(model, out_dir, data_meta):
+    out_dir.mkdir(parents=True)
+    checkpoint.save(checkpoint.training_state(model.state_dict(), model.config, train.TrainConfig(), data_meta,
+                                              iter_num=1, best_val_loss=3.0), str(out_dir / "best.pt"))
+    return out_dir
+
+
+class TableGELU(nn.Module):
+    """GELU as llama.cpp computes it in float32 (ggml-cpu's ggml_vec_gelu_f32 under GGML_GELU_FP16): x rounded to
+    float16, its tanh-approximated GELU rounded to float16; 0 below -10, x above 10."""
+
+    def forward(self, x):
+        y = F.gelu(x.half().float(), approximate="tanh").half().float()
+        return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
+
+
+@pytest.mark.parametrize("bias, mlp_ratio", [(True, 4), (False, 3)])
+def test_f32_logits_are_ours_in_llama_cpp(tmp_path, bias, mlp_ratio):
+    """A random model exported as a user does; every position's logits of a 48-token text. Its matrices keep
+    GPT-2's initial scale and its vectors (LayerNorms, biases) are moved well away from theirs (a bias or gain
+    written to the wrong place would show), the final gain x4 for logits of std ~0.45: GELU's inputs stay
+    small, where ggml's float16 table is fine-grained (larger ones make its rounding jump at the float16
+    boundaries, which no float32 reference can follow: up to ~3e-4 at weights of std 0.05). bias=False is
+    written as zero biases (llama.cpp's GPT-2 has biases); a 3x MLP keeps its width (the converter writes 4x)."""
+    torch.manual_seed(3)
+    ours = GPT(GPTConfig(block_size=48, vocab_size=50304, n_layer=2, n_head=4, n_embd=32, bias=bias, gelu="tanh",
+                         mlp_ratio=mlp_ratio)).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in ours.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+        ours.ln_f.weight.mul_(4)
+    out = checkpoint_of(ours, tmp_path / "out", DatasetMeta.gpt2())
+    run_in_process(export.main, f"--out_dir={out}", "--to=gguf", "--outtype=f32", tmp_path / "m.gguf", check=True)
+    idx = torch.randint(0, 50257, (48,), generator=torch.Generator().manual_seed(4)).tolist()
+    with llama(tmp_path / "m.gguf", 48) as llm:
+        assert llm.n_vocab() == 50304
+        theirs = llama_logits(llm, idx)
+    with torch.no_grad():
+        exact = ours(torch.tensor([idx]), every_position=True)[0][0]
+        for block in ours.blocks:
+            block.ffwd.gelu = TableGELU()
+        as_llama = ours(torch.tensor([idx]), every_position=True)[0][0]
+    assert exact.std() > 0.4
+    torch.testing.assert_close(theirs, as_llama, atol=1e-4, rtol=0)
+    # against our own GELU: ggml's float16 table is off by up to 4e-3 (near x = 8), 1e-3 of x (measured here:
+    # at most 5e-5 with biases, 3.5e-4 without)
+    torch.testing.assert_close(theirs, exact, atol=1e-3, rtol=0)
+
+
+def test_the_tokenizer_inside_the_file_is_ours(tmp_path):
+    """llama.cpp's tokenizer, read from the file, against tiktoken's GPT-2: Unicode, whitespace runs,
+    <|endoftext|> (a special token where specials are parsed); and back to the same text."""
+    torch.manual_seed(0)
+    out = checkpoint_of(GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=1, n_embd=32)),
+                        tmp_path / "out", DatasetMeta.gpt2())
+    run_in_process(export.main, f"--out_dir={out}", "--to=gguf", tmp_path / "m.gguf", check=True)  # (f16)
+    ours = GPT2Tokenizer()
+    with llama(tmp_path / "m.gguf", 16) as llm:
+        for text in TEXTS:
+            assert llm.tokenize(text.encode(), add_bos=False, special=True) == ours.encode_with_specials(text), text
+            assert llm.tokenize(text.encode(), add_bos=False, special=False) == ours.encode(text), text
+            assert llm.detokenize(ours.encode(text)).decode() == text
+        assert llm.token_eos() == llm.token_bos() == 50256
+
+
+# ---------------------------------------------------------------------- a trained model
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A small GPT-2 BPE model trained by train.py for 40 steps (as users train: exact GELU, no biases) on lines
+    that go through 30 words in one order (each word has one successor: after 40 steps it has half learned it,
+    loss ~1.9, and greedy decoding goes through the words), and held-out text: (out_dir, model, token ids of
+    the same cycle in lines that begin elsewhere)."""
+    from prepare import prepare
+
+    root = tmp_path_factory.mktemp("gguf")
+    cycle = list(WORDS)
+    random.Random(0).shuffle(cycle)
+    (root / "corpus.txt").write_text((" ".join(cycle) + "\n") * 200, encoding="utf-8")
+    with contextlib.redirect_stdout(io.StringIO()):
+        prepare(str(root / "corpus.txt"), str(root / "data" / "shakespeare"), "gpt2")
+    train_in_process(*tiny_train_args(root / "data", root / "out", dataset="shakespeare", block_size=128,
+                                      batch_size=2, max_iters=40, eval_interval=40, lr_decay_iters=40, eval_iters=1,
+                                      warmup_iters=5, learning_rate=1e-2))
+    model = checkpoint.load(root / "out" / "best.pt").build_model().eval()
+    assert model.config.gelu == "none" and not model.config.bias
+    held_out = GPT2Tokenizer().encode((" ".join(cycle[7:] + cycle[:7]) + "\n") * 12)[:300]
+    return root / "out", model, held_out
+
+
+def export_gguf(out, outtype, path):
+    run_in_process(export.main, f"--out_dir={out}", "--to=gguf", f"--outtype={outtype}", path, check=True)
+    return path
+
+
+def test_f16_greedy_tokens_are_ours_for_100_steps(tmp_path, trained):
+    """100 greedy tokens from a prompt (as bench.py --mode=serve decodes in llama.cpp: its default float16 KV
+    cache), and the greedy choice at each of the 127 positions of held-out text: llama.cpp reading float16
+    weights picks our float32 model's token every time (its logits within 1e-2)."""
+    out, model, held_out = trained
+    prompt = held_out[:3]
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), 100, temperature=0)[0, len(prompt):].tolist()
+        ours = model(torch.tensor([held_out[:128]]), every_position=True)[0][0]
+    path = export_gguf(out, "f16", tmp_path / "m.gguf")
+    greedy = bench_serve.llama_cpp_greedy(str(path), prompt, 100, threads=2)()
+    with llama(path, 128) as llm:
+        theirs = llama_logits(llm, held_out[:128])[:, :model.config.vocab_size]
+    assert len(set(expected)) > 20  # varied: the model goes through the cycle's words
+    assert greedy == expected
+    assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
+    torch.testing.assert_close(theirs, ours, atol=1e-2, rtol=0)
+
+
+def test_q8_0_perplexity_on_held_out_text_is_within_1_percent_of_float32(tmp_path, trained):
+    """Over eval.py --text's windows (scoring.text_loss: 3 windows of the 300 held-out tokens), as bench.py
+    --mode=serve measures llama.cpp's bits per byte."""
+    out, model, held_out = trained
+    nats, count = scoring.text_loss(model, held_out, "cpu")
+    ours = math.exp(nats / count)
+    perplexities = {outtype: math.exp(bench_serve.llama_cpp_text_loss(
+        str(export_gguf(out, outtype, tmp_path / f"{outtype}.gguf")), held_out, 128, threads=2) / count)
+        for outtype in ("f32", "q8_0")}
+    assert ours < 100  # trained: far below the 50257 of a uniform guess
+    assert abs(perplexities["f32"] / ours - 1) < 1e-4, (ours, perplexities)
+    assert abs(perplexities["q8_0"] / ours - 1) < 0.01, (ours, perplexities)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "q8_0.gguf").tensors}
+    assert types["blk.0.ffn_up.weight"] == types["token_embd.weight"] == "Q8_0"
+    assert types["blk.0.ffn_up.bias"] == types["output_norm.weight"] == types["position_embd.weight"] == "F32"
+
+
+def test_the_benchmarks_bytes_per_token_of_a_model_counted_by_hand():
+    """bench.py --mode=serve's memory bound: the weights a decoding step reads. 1 layer, 32 wide, 100 tokens: the
+    matrices 96x32, 32x32, 128x32 and 32x128, and the output layer 100x32 (the token embedding, tied)."""
+    model = GPT(GPTConfig(block_size=8, vocab_size=100, n_layer=1, n_head=2, n_embd=32))
+    weights, rows = 96 * 32 + 32 * 32 + 128 * 32 + 32 * 128 + 100 * 32, 96 + 32 + 128 + 32 + 100
+    assert bench_serve.weight_bytes(model, "float32") == 4 * weights
+    assert bench_serve.weight_bytes(model, "bfloat16") == 2 * weights
+    assert bench_serve.weight_bytes(model, "int8") == weights + 2 * rows
+    assert bench_serve.weight_bytes(model, "q8_0") == weights // 32 * 34
+
+
+# ---------------------------------------------------------------------- what cannot be written
+
+
+def test_what_gguf_cannot_hold_is_refused_in_one_line_and_nothing_is_written(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    config = dict(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=32)
+    qk = checkpoint_of(perturb(GPT(GPTConfig(**config, qk_norm=True)), 0), tmp_path / "qk", DatasetMeta.gpt2())
+    char = checkpoint_of(GPT(GPTConfig(**config)), tmp_path / "char", DatasetMeta.of(CharTokenizer("abc \n")))
+    good = checkpoint_of(GPT(GPTConfig(**config)), tmp_path / "good", DatasetMeta.gpt2())
+    (tmp_path / "taken.gguf").write_text("mine")
+    cases = [([f"--out_dir={qk}", "--to=gguf"], "cannot express qk_norm=True"),
+             ([f"--out_dir={char}", "--to=gguf"], "char tokenizer"),
+             ([f"--out_dir={good}", "--to=gguf", "--outtype=q4_0"], "outtype must be one of f32, f16, q8_0"),
+             ([f"--out_dir={good}", "--outtype=f16"], "--outtype is for --to=gguf"),
+             ([f"--out_dir={good}", "--to=onnx"], "--to must be hf (Hugging Face GPT-2) or gguf")]
+    for args, words in cases:
+        assert_one_error_line(run_in_process(export.main, *args, tmp_path / "new.gguf"), words)
+    assert_one_error_line(run_in_process(export.main, f"--out_dir={good}", "--to=gguf", tmp_path / "taken.gguf"),
+                          "already exists")
+    assert (tmp_path / "taken.gguf").read_text() == "mine"
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if the package were not installed
+    assert_one_error_line(run_in_process(export.main, f"--out_dir={good}", "--to=gguf", tmp_path / "new.gguf"),
+                          gguf_export.INSTALL)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["char", "good", "qk", "taken.gguf"]  # no temporaries
