@@ -16,6 +16,7 @@ import pickle
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
+from machinery import chat
 from machinery.errors import UserError
 from machinery.fileio import atomic_write, read_json_object
 from machinery.tokenizer import GPT2_VOCAB_SIZE, CharTokenizer, GPT2Tokenizer
@@ -41,6 +42,7 @@ class DatasetMeta:
     # the token files (*.bin) beside meta.json when it was written, name -> [bytes, mtime_ns]: max_token_id
     # speaks for them only while they are still those files (describes)
     files: Optional[dict] = None
+    chat: Optional[str] = None  # the chat format of conversations (machinery/chat.py's TEMPLATE); None: plain text
 
     @classmethod
     def gpt2(cls, **extra):
@@ -75,7 +77,7 @@ class DatasetMeta:
         if self.tokenizer == "char":
             return CharTokenizer(self.chars)
         if self.tokenizer == "gpt2":
-            return GPT2Tokenizer()
+            return chat.tokenizer(self.chat) if self.chat else GPT2Tokenizer()
         raise UserError("this model's data records no tokenizer (token ids only); give one with --meta")
 
     @property

@@ -60,12 +60,14 @@ class CharTokenizer:
 
 
 class GPT2Tokenizer:
-    """GPT-2's byte-level BPE (tiktoken `gpt2`), 50257 tokens, <|endoftext|> = 50256."""
+    """GPT-2's byte-level BPE (tiktoken `gpt2`), 50257 tokens, <|endoftext|> = 50256; specials: more special tokens
+    {text: id} after those (a chat format's: machinery/chat.py), which only encode_with_specials produces."""
 
     kind = "gpt2"
 
-    def __init__(self):
-        self.enc = gpt2_encoding()
+    def __init__(self, specials=None):
+        self.enc = gpt2_encoding(specials)
+        self.specials = dict(specials or {})
         self.vocab_size = self.enc.n_vocab
         self.eot_token = self.enc.eot_token
 
@@ -84,11 +86,23 @@ class GPT2Tokenizer:
 
 
 _gpt2 = None
+_extended = {}  # special tokens -> the gpt2 Encoding with them
 
 
-def gpt2_encoding():
-    """tiktoken's gpt2 Encoding, built from local files when they are installed."""
+def gpt2_encoding(specials=None):
+    """tiktoken's gpt2 Encoding, built from local files when they are installed; with specials {text: id}, one that
+    has those special tokens too."""
     global _gpt2
+    if specials:  # (tiktoken's documented way of extending an encoding)
+        import tiktoken
+
+        key = tuple(sorted(specials.items()))
+        if key not in _extended:
+            base = gpt2_encoding()
+            _extended[key] = tiktoken.Encoding(name="gpt2+" + "".join(sorted(specials)), pat_str=base._pat_str,
+                                               mergeable_ranks=base._mergeable_ranks,
+                                               special_tokens={**base._special_tokens, **specials})
+        return _extended[key]
     if _gpt2 is not None:
         return _gpt2
     import tiktoken

@@ -1,0 +1,92 @@
+"""
+The chat format: how a conversation becomes token ids, and which of them a model learns to write.
+
+A conversation is a list of messages {"role": "system" | "user" | "assistant", "content": text}, as OpenAI's
+API, TRL and most datasets on the Hugging Face hub write it. In token ids (TEMPLATE, for GPT-2 BPE models):
+
+    <|endoftext|> <|system_start|> ... <|system_end|> <|user_start|> ... <|user_end|> <|assistant_start|> ...
+    <|assistant_end|> <|user_start|> ...
+
+<|endoftext|> begins it (as a document of GPT-2's training data); each message is its content between its
+role's two special tokens, which take spare ids of GPT-2's padded vocabulary (50257.., under vocab_size 50304:
+no embedding grows). The content is encoded as ordinary text, so text that looks like a special token stays
+text: a user cannot write a turn of the assistant. The loss mask is 1 on the assistant's content and its
+<|assistant_end|> (what the model learns to write, and where it stops), 0 elsewhere. A reply is generated
+after <|assistant_start|> (add_generation_prompt) and ends at <|assistant_end|>.
+
+This module is the one place that writes the format: prepare.py, train.py, sample.py, serve.py and export.py
+(jinja_template: the same format for Hugging Face's apply_chat_template) ask it.
+"""
+
+from machinery.errors import UserError
+from machinery.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE, GPT2Tokenizer
+
+TEMPLATE = "gpt2-chat-1"  # the format's name, recorded in a chat dataset's metadata and its models' checkpoints
+ROLES = ("system", "user", "assistant")
+SPECIAL_TOKENS = {f"<|{role}_{edge}|>": GPT2_VOCAB_SIZE + 2 * i + j
+                  for i, role in enumerate(ROLES) for j, edge in enumerate(("start", "end"))}
+
+
+def start(role):
+    return f"<|{role}_start|>"
+
+
+def end(role):
+    return f"<|{role}_end|>"
+
+
+def tokenizer(template=TEMPLATE):
+    """The tokenizer of a chat model: GPT-2 BPE and the format's special tokens."""
+    if template != TEMPLATE:
+        raise UserError(f"unknown chat template {template!r} (this version knows {TEMPLATE}); update this code")
+    return GPT2Tokenizer(SPECIAL_TOKENS)
+
+
+def require(tok, what):
+    """A one-line error unless tok (a tokenizer) can carry the format: a character-level vocabulary cannot."""
+    if tok.kind != "gpt2":
+        raise UserError(f"{what}: a chat format needs GPT-2 BPE (its special tokens live in GPT-2's padded "
+                        f"vocabulary); this is a {tok.kind}-level tokenizer")
+
+
+def check(messages, where="messages"):
+    """messages, when they are a conversation: a non-empty list of {role, content} with a known role and a string
+    content; else ValueError naming what is wrong (the caller says where: a file's line, a request's field)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where} must be a non-empty list of messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ValueError(f"{where}[{i}] has role {m.get('role') if isinstance(m, dict) else None!r}; "
+                             f"a message's role is one of {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}[{i}] ({m['role']}) has a content that is not a string")
+    return messages
+
+
+def encode(tok, messages, add_generation_prompt=False):
+    """(ids, mask) of a conversation: the token ids, and 1 where the model learns to write (the assistant's content
+    and its end token), 0 elsewhere. add_generation_prompt: end with <|assistant_start|>, for a reply."""
+    ids, mask = [GPT2_EOT], [0]
+    for m in check(messages):
+        content = tok.encode(m["content"])  # ordinary text: a special token's text stays text
+        learned = int(m["role"] == "assistant")
+        ids += [SPECIAL_TOKENS[start(m["role"])], *content, SPECIAL_TOKENS[end(m["role"])]]
+        mask += [0] + [learned] * (len(content) + 1)
+    if add_generation_prompt:
+        ids.append(SPECIAL_TOKENS[start("assistant")])
+        mask.append(0)
+    return ids, mask
+
+
+def stop_token():
+    """The token that ends a reply."""
+    return SPECIAL_TOKENS[end("assistant")]
+
+
+def jinja_template():
+    """The format as a Hugging Face chat template (tokenizer_config.json's chat_template): apply_chat_template gives
+    encode's ids, and its {% generation %} block return_assistant_tokens_mask's mask."""
+    return ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}"
+            "<|assistant_start|>{% generation %}{{ message['content'] }}<|assistant_end|>{% endgeneration %}"
+            "{% else %}{{ '<|' + message['role'] + '_start|>' + message['content'] + '<|' + message['role']"
+            " + '_end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant_start|>{% endif %}")
