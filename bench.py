@@ -42,7 +42,7 @@ int8 weights) against transformers' generate and llama.cpp (Q8_0, F16), on a ran
 architecture, with the memory bound; with --text, bits per byte of a trained model (--out_dir) in float32, int8
 and llama.cpp's q8_0. See machinery/bench_serve.py.
 
-    python bench.py --mode=serve [--clients=1,8,32] [--serve_tokens=100] [--dtype=auto] [--out_dir=DIR --text=FILE]
+    python bench.py --mode=serve [--clients=1,8,32] [--serve_tokens=100] [--dtype=auto] [--device=cuda] [--out_dir=DIR --text=FILE]
 
 Every train.py setting is a setting here too, so training config files work as they are;
 vocab_size defaults to the configured dataset's when it has been prepared. Each figure is the

@@ -2,6 +2,7 @@
 bench.py --mode=serve: serve.py under load, and batch-1 decoding against transformers' generate and llama.cpp.
 
     python bench.py --mode=serve [--clients=1,8,32] [--serve_tokens=100] [--dtype=auto] [--out_dir=DIR --text=FILE]
+    python bench.py --mode=serve --device=cuda        # on a GPU: ours and transformers in bfloat16 and float32
 
 A random model of GPT-2's architecture (124M with bench.py's default settings: 12 layers, 12 heads, 768
 wide, block 1024, GPT-2's 50257 tokens, biases, tanh GELU) is written as a Hugging Face directory and
@@ -22,7 +23,8 @@ served by `python serve.py --init_from=DIR` in a process of its own, on 127.0.0.
 4. 8 seeded requests one at a time, then the same 8 at once: whether each text is the same, and the
    ratio of their throughputs.
 
-The server and the clients share the machine's cores (the clients' work is small: reading events).
+The server and the clients share the machine's cores (the clients' work is small: reading events). With
+--device=cuda everything runs on the GPU (int8 and llama.cpp are the CPU's rows: left out there).
 """
 
 import asyncio
@@ -79,10 +81,11 @@ def alternating(runs, warmup, repeats):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def batch_one(cfg, hf_dir, model, dtype, workdir):
-    """Greedy batch-1 tokens/s, alternating: our engine (as serve.py runs it) at dtype and with int8 weights
-    (--quantize=int8, the rest in dtype), llama.cpp on the same weights in Q8_0 and F16 (GGUF files of
-    export.py --to=gguf), and transformers' generate in float32 (and in dtype when that is another);
+def batch_one(cfg, hf_dir, model, device, dtype, workdir):
+    """Greedy batch-1 tokens/s on device, alternating: our engine (as serve.py runs it) at dtype and, on the CPU,
+    with int8 weights (--quantize=int8, the rest in dtype) and llama.cpp on the same weights in Q8_0 and F16 (GGUF
+    files of export.py --to=gguf), on CUDA in float32 too; transformers' generate in float32 (and in dtype when
+    that is another);
     ({name: (tokens/s, bytes of weights read per token)}, the memory's read bandwidth in bytes/s: a sum over
     READ_BYTES of float32, timed in turn with the rows, so that it sees the same load)."""
     from transformers import GPT2LMHeadModel
@@ -94,8 +97,8 @@ def batch_one(cfg, hf_dir, model, dtype, workdir):
                            generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     n = cfg.serve_tokens
 
-    def ours(quantize=None):
-        loaded = loading.load(loading.ModelSource(init_from=hf_dir), "cpu", dtype)  # as serve.py's build loads it
+    def ours(quantize=None, dtype=dtype):
+        loaded = loading.load(loading.ModelSource(init_from=hf_dir), device, dtype)  # as serve.py's build loads it
         runner = engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype, quantize=quantize),
                                loaded.tokenizer, loaded.device)
 
@@ -106,12 +109,13 @@ def batch_one(cfg, hf_dir, model, dtype, workdir):
         return run
 
     def transformers(hf_dtype):
-        hf = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=hf_dtype).eval()
-        ids = torch.tensor([prompt])
+        hf = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=hf_dtype).to(device).eval()
+        ids = torch.tensor([prompt], device=device)
 
         def run():
             with torch.no_grad():
                 hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=GPT2_EOT)
+            synchronize(device)
         return run
 
     def llama(outtype):
@@ -119,16 +123,29 @@ def batch_one(cfg, hf_dir, model, dtype, workdir):
         gguf_export.write_gguf(path, model, DatasetMeta.gpt2(), outtype)
         return llama_cpp_greedy(path, prompt, n, torch.get_num_threads())
 
-    runs = {f"ours ({dtype})": (ours(), dtype), f"ours (int8, the rest {dtype})": (ours("int8"), "int8"),
-            "llama.cpp Q8_0": (llama("q8_0"), "q8_0"), "llama.cpp F16": (llama("f16"), "float16"),
-            "transformers generate (float32)": (transformers(torch.float32), "float32")}
+    runs = {f"ours ({dtype})": (ours(), dtype)}
+    if device == "cpu":
+        runs.update({f"ours (int8, the rest {dtype})": (ours("int8"), "int8"),
+                     "llama.cpp Q8_0": (llama("q8_0"), "q8_0"), "llama.cpp F16": (llama("f16"), "float16")})
+    elif dtype != "float32":
+        runs["ours (float32)"] = (ours(dtype="float32"), "float32")
+    runs["transformers generate (float32)"] = (transformers(torch.float32), "float32")
     if dtype != "float32":  # transformers in our precision too: the same bytes to read per token
         runs[f"transformers generate ({dtype})"] = (transformers(DTYPES[dtype]), dtype)
-    memory = torch.ones(READ_BYTES // 4)  # the memory's read bandwidth, measured in turn with the rows
-    seconds = alternating({**{name: f for name, (f, _) in runs.items()}, "memory": memory.sum},
-                          cfg.warmup, cfg.repeats)
+    memory = torch.ones(READ_BYTES // 4, device=device)  # the memory's read bandwidth, measured in turn with the rows
+
+    def read_memory():
+        memory.sum()
+        synchronize(device)
+    seconds = alternating({**{name: f for name, (f, _) in runs.items()}, "memory": read_memory}, cfg.warmup,
+                          cfg.repeats)
     rates = {name: (n / seconds[name], weight_bytes(model, kind)) for name, (_, kind) in runs.items()}
     return rates, READ_BYTES / seconds["memory"]
+
+
+def synchronize(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def llama_cpp_greedy(path, prompt, n, threads):
@@ -275,20 +292,22 @@ def free_port():
 
 
 def bench_serve(cfg, workdir):
-    from machinery.hardware import describe, pick_dtype
+    from machinery.hardware import describe, pick_device, pick_dtype
 
     hf_dir = os.path.join(workdir, "gpt2-shaped")
     model = gpt2_shaped(cfg, hf_dir)
-    dtype = pick_dtype(cfg.dtype, "cpu")
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
     print(f"model: GPT-2 architecture, {model.get_num_params() / 1e6:.1f}M parameters ({cfg.n_layer} layers, "
-          f"{cfg.n_embd} wide, vocab {model.config.vocab_size}), random weights; {describe('cpu', dtype)}", flush=True)
+          f"{cfg.n_embd} wide, vocab {model.config.vocab_size}), random weights; {describe(device, dtype)}",
+          flush=True)
     print(f"batch 1, greedy, {cfg.serve_tokens} new tokens after {cfg.prompt_len}, median of {cfg.repeats} "
           f"after {cfg.warmup} warm-up (alternating):", flush=True)
-    rates, bandwidth = batch_one(cfg, hf_dir, model, dtype, workdir)
+    rates, bandwidth = batch_one(cfg, hf_dir, model, device, dtype, workdir)
     print_batch_one(rates, bandwidth)
     bpb = bits_per_byte(cfg, workdir) if cfg.text else None
     port = free_port()
-    server = start_server(hf_dir, dtype, port)
+    server = start_server(hf_dir, dtype, port, f"--device={device}")
     url = f"http://127.0.0.1:{port}/v1/completions"
     try:
         asyncio.run(load(url, list(zip(prompts(2, cfg.prompt_len, 99), (1, 2))), 8))  # warm-up
