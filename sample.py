@@ -15,13 +15,20 @@ the one serve.py uses: sample i draws with seed + i, and its text does not depen
 on the others); the first one is printed as it is produced (--stream), the others
 when they are done. A sample ends at --stop (a text of any length; the text is cut
 where it begins), at <|endoftext|> for GPT-2 BPE models, or after max_new_tokens.
+
+A chat model (one finetuned on conversations: prepare.py chat) is talked to instead:
+
+    python sample.py --out_dir=out-chat --chat [--system="You are terse."]
+
+each line typed is the user's turn, the reply streams back, and the conversation stays in
+the context (machinery/talk.py); an empty line or Ctrl-D ends it.
 """
 
 import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from machinery import configurator, engine, loading
+from machinery import configurator, engine, loading, talk
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 from machinery.fileio import read_text
@@ -44,6 +51,10 @@ class SampleConfig(loading.RunSource):
     use_cache: bool = setting(True, "KV cache (False: re-run the whole context for every token, as nanoGPT)")
     stream: bool = setting(True, "print the first sample as it is produced (the batch is generated together: "
                                  "the other samples are printed when it is done); False: print all at the end")
+    chat: bool = setting(False, "talk with a chat model in the terminal: a line typed is your turn, the reply "
+                                "streams back, the conversation stays in the context (its oldest turns dropped "
+                                "when it is full); an empty line or Ctrl-D ends it")
+    system: Optional[str] = setting(None, "--chat: the system message the conversation begins with")
 
     def validate(self):
         super().validate()
@@ -58,6 +69,12 @@ class SampleConfig(loading.RunSource):
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.stop == "":
             raise UserError("--stop is empty; give the text that ends a sample, e.g. --stop=ROMEO:")
+        given = configurator.given(self)
+        if self.chat and given & {"start", "num_samples"}:
+            raise UserError(f"--{min(given & {'start', 'num_samples'})} does not apply to --chat (you type the "
+                            f"user's turns, one reply each); leave it out")
+        if self.system is not None and not self.chat:
+            raise UserError("--system is the system message of a conversation; add --chat")
 
 
 def read_prompt(start):
@@ -79,20 +96,31 @@ def main(argv=None):
     cfg.validate()
     loaded = loading.load_run(cfg)
     tokenizer = loaded.tokenizer
+    if cfg.chat:
+        talk.require(tokenizer, loaded.data_meta.chat, "--chat")
+    else:
+        prompt, ids = read_start(cfg, tokenizer, loaded.model.config.block_size)
+    if cfg.stop is not None:
+        encode(tokenizer, cfg.stop, "--stop")  # text the model cannot produce would never stop a sample
     model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
+    runner = engine.Engine(model, tokenizer, loaded.device, max_batch=1 if cfg.chat else cfg.num_samples,
+                           use_cache=cfg.use_cache, compile=cfg.compile)
+    if cfg.chat:
+        talk.converse(cfg, runner, tokenizer)
+    else:
+        print_samples(cfg, runner, tokenizer, prompt, ids)
+
+
+def read_start(cfg, tokenizer, block_size):
+    """The prompt (--start) and its ids, the last block_size of them (said on stderr when it is longer)."""
     prompt = read_prompt(cfg.start)
     if not prompt:
         raise UserError("the prompt is empty; give some text with --start")
     ids = encode(tokenizer, prompt, "--start")
-    block_size = model.config.block_size
     if len(ids) > block_size:
         print(f"note: the prompt has {len(ids)} tokens; keeping its last {block_size} (block_size)", file=sys.stderr)
         ids = ids[-block_size:]
-    if cfg.stop is not None:
-        encode(tokenizer, cfg.stop, "--stop")  # text the model cannot produce would never stop a sample
-    runner = engine.Engine(model, tokenizer, loaded.device, max_batch=cfg.num_samples, use_cache=cfg.use_cache,
-                           compile=cfg.compile)
-    print_samples(cfg, runner, tokenizer, prompt, ids)
+    return prompt, ids
 
 
 def print_samples(cfg, runner, tokenizer, prompt, ids):

@@ -13,6 +13,10 @@ machinery/openai_api.py lists the routes and what they do. Clients:
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
     client.completions.create(model="out-shakespeare-char", prompt="ROMEO:", max_tokens=100)
 
+A chat model (finetuned on conversations: prepare.py chat) answers /v1/chat/completions in its own chat format,
+each reply ending at its end of turn, and the web page talks with it turn by turn; a base model's chat is a
+plain User: / Assistant: dialogue.
+
 Ctrl-C or SIGTERM ends the generations in progress (their streams end with finish_reason "abort" and
 [DONE]) and exits 0. Needs FastAPI and uvicorn: pip install fastapi==0.165.0 uvicorn==0.54.0
 """
@@ -67,7 +71,8 @@ def build(cfg):
     runner = engine.Engine(model, loaded.tokenizer, loaded.device, cfg.max_batch, cfg.max_waiting,
                            prefill_chunk=cfg.prefill_chunk, stall_timeout=cfg.stream_timeout, compile=cfg.compile)
     limits = openai_api.Limits(cfg.max_tokens, cfg.max_n, cfg.max_body)
-    return openai_api.Server(runner, loaded.tokenizer, cfg.served_name, limits, cfg.api_key), loaded
+    server = openai_api.Server(runner, loaded.tokenizer, cfg.served_name, limits, cfg.api_key, loaded.data_meta.chat)
+    return server, loaded
 
 
 def import_uvicorn():

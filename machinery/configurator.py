@@ -7,8 +7,8 @@ Each script describes its settings as a dataclass whose fields carry a help text
 (`name: type = setting(default, "help")`). Config files hold plain
 `key = value` lines; the values are Python literals read with ast.literal_eval,
 so a config file is parsed, never executed. Later sources override earlier ones:
-dataclass defaults, then config files in order, then --key=value arguments; given() tells
-which settings were set by a file or an argument.
+dataclass defaults, then config files in order, then --key=value arguments (--key alone: True, for
+a True/False setting); given() tells which settings were set by a file or an argument.
 
 Any mistake raises UserError with one line naming the key (errors.py turns it into
 `error: ...` on stderr and exit status 2).
@@ -130,7 +130,9 @@ def parse(cls, argv=None, usage="script.py [config_file ...] [--key=value ...]",
     for arg in argv:
         if arg.startswith("--"):
             key, eq, raw = arg[2:].partition("=")
-            if not eq:
+            if not eq and hints.get(key) is bool:
+                raw = "True"  # a switch: --chat is --chat=True
+            elif not eq:
                 raise UserError(f"{arg}: write settings as --key=value")
             overrides.append((key, raw))
         elif extra_files_ok and not arg.startswith("-"):

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from machinery import meta
+from machinery import chat, meta
 from machinery.errors import UserError
 from machinery.fileio import atomic_write
 from machinery.tokenizer import GPT2_EOT, GPT2Tokenizer, gpt2_bpe_files
@@ -152,14 +152,20 @@ def hf_tokenizer_files(data_meta, block_size):
         files = {"vocab.json": f.read(), "merges.txt": g.read()}
     eos = GPT2Tokenizer.eos_text  # <|endoftext|>: GPT-2's only special token, its bos, eos and unk
     special = {"bos_token": eos, "eos_token": eos, "unk_token": eos}
+    added = {eos: GPT2_EOT}
+    if data_meta.chat:  # a chat model's: its format's special tokens and the format as a Jinja template
+        chat.tokenizer(data_meta.chat)  # (a one-line error for a format this code does not know)
+        special["additional_special_tokens"] = list(chat.SPECIAL_TOKENS)
+        added.update(chat.SPECIAL_TOKENS)
     files["special_tokens_map.json"] = special
     files["tokenizer_config.json"] = {
         "tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, **special,
         "add_prefix_space": False, "add_bos_token": False, "errors": "replace",
         # no clean-up on decoding (it would join " ," into ","): decode(encode(text)) gives text back, as ours
         "clean_up_tokenization_spaces": False,
-        "added_tokens_decoder": {str(GPT2_EOT): {"content": eos, "special": True, "lstrip": False, "rstrip": False,
-                                                  "normalized": False, "single_word": False}},
+        "added_tokens_decoder": {str(i): {"content": text, "special": True, "lstrip": False, "rstrip": False,
+                                          "normalized": False, "single_word": False} for text, i in added.items()},
+        **({"chat_template": chat.jinja_template()} if data_meta.chat else {}),
     }
     return files
 

@@ -9,9 +9,10 @@ field by field, so that every mistake gets OpenAI's error object and a 4xx statu
     POST /v1/completions        prompt: a string, a list of token ids, or a list of either; max_tokens (16),
                                 temperature (1), top_p, top_k (an extension), n, stop, seed, stream, echo,
                                 logprobs (0-5), stream_options.include_usage
-    POST /v1/chat/completions   messages, rendered by CHAT_TEMPLATE; max_tokens / max_completion_tokens (default:
-                                up to the context); the other settings as above
-    GET  /tokenizer_info        eos / bos / pad tokens, the chat template, model_max_length
+    POST /v1/chat/completions   messages, in the model's chat format (chat.py) or, for a base model, rendered by
+                                CHAT_TEMPLATE; max_tokens / max_completion_tokens (default: up to the context); the
+                                other settings as above
+    GET  /tokenizer_info        eos / bos / pad tokens, the chat template (Jinja), model_max_length
     POST /tokenize              {"prompt", "add_special_tokens"} -> {"tokens", "count", "max_model_len"}
     POST /detokenize            {"tokens"} -> {"prompt"}
 
@@ -22,7 +23,7 @@ Semantics worth knowing:
   the model has one; elsewhere it is refused.
 - Generation stops at <|endoftext|> for GPT-2 BPE models (as OpenAI's models stop at theirs), at a stop
   text (cut from the text), or after max_tokens (finish_reason "stop" or "length"; "abort" when the
-  server shuts down mid-generation).
+  server shuts down mid-generation). A chat model's reply stops at the assistant's end of turn (talk.py).
 - logprobs are the model's own log-probabilities (log-softmax of its logits, whatever the temperature),
   for every token sampled, the stop token included; with echo the prompt's tokens come first, the first
   one's None. top_logprobs: the `logprobs` most likely tokens at each position, by their text.
@@ -44,12 +45,13 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from machinery import chat, talk
 from machinery.engine import QueueFull, Request, Stopped
 from machinery.errors import UserError, first_line
 from machinery.tokenizer import end_of_text_stop
 
-# The chat template, for base models (which were never trained on a chat format): the messages as a plain
-# dialogue, and the answer stops where the next turn would begin.
+# The chat template of base models (which were never trained on a chat format; a chat model has its own,
+# chat.py's): the messages as a plain dialogue, and the answer stops where the next turn would begin.
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
                  "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
                  "{% else %}Assistant: {{ m['content'] }}\n{% endif %}{% endfor %}"
@@ -196,9 +198,10 @@ class Completion:
         return added
 
     def choice(self, delta=None, logprobs=None):
-        """This choice in a response (delta: in a stream chunk)."""
+        """This choice in a response (delta: in a stream chunk). A base model's reply loses the spaces that follow
+        CHAT_TEMPLATE's "Assistant:"; a chat model's is its text as written."""
         if self.chat:
-            content = self.text.lstrip() if delta is None else delta
+            content = (self.text if self.server.chat_format else self.text.lstrip()) if delta is None else delta
             message = {"role": "assistant", "content": content}
             return {"index": self.index, ("message" if delta is None else "delta"): message,
                     "finish_reason": self.finish_reason}
@@ -215,10 +218,12 @@ def usage(completions):
 
 
 class Server:
-    """The state the routes share: the engine, the tokenizer, the model's name and the limits."""
+    """The state the routes share: the engine, the tokenizer, the model's name and the limits; chat_format: the
+    chat format the model was tuned on (its data's, chat.py's TEMPLATE), or None for a base model."""
 
-    def __init__(self, engine, tokenizer, name, limits, api_key=None):
+    def __init__(self, engine, tokenizer, name, limits, api_key=None, chat_format=None):
         self.engine, self.tokenizer, self.name, self.limits, self.api_key = engine, tokenizer, name, limits, api_key
+        self.chat_format = chat_format
         self.block_size = engine.block_size
 
     def encode(self, text, param):
@@ -247,6 +252,19 @@ class Server:
             raise APIError(400, f"This model's maximum context length is {self.block_size} tokens, but the "
                                 f"{param} has {len(ids)} tokens; shorten it", param, "context_length_exceeded")
         return ids
+
+    def chat_prompt(self, messages, requests):
+        """The prompt ids of a chat request's messages, the reply's stops added to its requests: a chat model's
+        own format, the reply ending at its end of turn; a base model's CHAT_TEMPLATE, the reply ending where a
+        next "User:" line would begin."""
+        messages = read_messages(messages)
+        if self.chat_format:
+            ids, _ = chat.encode(self.tokenizer, messages, add_generation_prompt=True)
+            requests.stop_tokens = talk.stop_tokens(self.tokenizer)
+        else:
+            ids = self.encode(chat_template().render(messages=messages, add_generation_prompt=True), "messages")
+            requests.stop = requests.stop + (CHAT_STOP,)
+        return self.prompt_ids(ids, "messages")
 
     def check_model(self, body):
         model = field(body, "model", str, self.name, expect="a string")
@@ -342,7 +360,7 @@ async def stream(server, choices, chat, include_usage):
             text = c.add(token)
             if token.finish_reason == "error":
                 raise choices.failure()
-            if chat and not started[c.index]:
+            if chat and not server.chat_format and not started[c.index]:  # (as Completion.choice)
                 text = text.lstrip()
                 started[c.index] = bool(text)
             logprobs = {k: v[before[k]:] for k, v in c.logprobs.items()}
@@ -367,9 +385,9 @@ def completion_body(server, completions, chat):
             "usage": usage(completions)}
 
 
-def render_chat(messages):
-    """The prompt text of chat messages (CHAT_TEMPLATE). A message's content is a string or a list of text parts
-    ([{"type": "text", "text": ...}], as many chat UIs send it), joined by newlines."""
+def read_messages(messages):
+    """The messages of a chat request as {role, content} with a string content. A message's content is a string or
+    a list of text parts ([{"type": "text", "text": ...}], as many chat UIs send it), joined by newlines."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages",
                        "invalid_type")
@@ -383,7 +401,7 @@ def render_chat(messages):
             raise APIError(400, "each message must be {\"role\": \"system\" | \"user\" | \"assistant\", "
                                 "\"content\": a string or a list of text parts}", "messages", "invalid_value")
         plain.append({"role": m["role"], "content": content})
-    return chat_template().render(messages=plain, add_generation_prompt=True)
+    return plain
 
 
 _template = None
@@ -510,7 +528,7 @@ def add_generation_routes(app, server):
     async def models(request: HTTPRequest):
         await body_of(server, request)
         return {"object": "list", "data": [{"id": server.name, "object": "model", "created": 0, "owned_by": "gpt",
-                                            "max_model_len": server.block_size}]}
+                                            "max_model_len": server.block_size, "chat_format": server.chat_format}]}
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
@@ -530,8 +548,7 @@ def add_generation_routes(app, server):
             if body.pop(name, None) not in (None, False, 0):
                 raise APIError(400, f"{name} is not supported for chat completions here", name, "unsupported")
         requests = Requests(server, body, max_tokens=None)
-        requests.stop = requests.stop + (CHAT_STOP,)
-        prompt = server.prompt_ids(server.encode(render_chat(body.get("messages")), "messages"), "messages")
+        prompt = server.chat_prompt(body.get("messages"), requests)
         return await answer(server, request, [prompt], requests, chat=True)
 
 
@@ -541,10 +558,12 @@ def add_tokenizer_routes(app, server):
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(request: HTTPRequest):
+        """A chat model's template (chat.py's, in Jinja) begins with bos_token: <|endoftext|> there."""
         await body_of(server, request)
         tokenizer = server.tokenizer
-        return {"tokenizer_class": tokenizer.kind, "eos_token": tokenizer.eos_text, "bos_token": None,
-                "pad_token": None, "chat_template": CHAT_TEMPLATE, "model_max_length": server.block_size,
+        template, bos = (chat.jinja_template(), tokenizer.eos_text) if server.chat_format else (CHAT_TEMPLATE, None)
+        return {"tokenizer_class": tokenizer.kind, "eos_token": tokenizer.eos_text, "bos_token": bos,
+                "pad_token": None, "chat_template": template, "model_max_length": server.block_size,
                 "vocab_size": tokenizer.vocab_size}
 
     @app.post("/tokenize")

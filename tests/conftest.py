@@ -310,3 +310,43 @@ def load_checkpoint(path):
     import torch
 
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# what the tiny chat model of taught_chat_dir is taught to answer: greedy decoding gives these replies back
+TAUGHT = [([{"role": "user", "content": "Hello"}], "Hi there!"),
+          ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Bye"}], "Goodbye.")]
+
+
+@pytest.fixture(scope="session")
+def taught_chat_dir(tmp_path_factory):
+    """out_dir/best.pt of a tiny GPT-2 BPE chat model (block 64) taught TAUGHT's replies and to end them with the
+    assistant's end of turn: full-batch AdamW on the assistant's tokens (chat.encode's mask) until it knows them."""
+    import torch
+
+    from machinery import chat, checkpoint
+    from machinery.meta import DatasetMeta
+    from model import GPT, GPTConfig
+    from train import TrainConfig
+
+    tok = chat.tokenizer()
+    rows = [chat.encode(tok, messages + [{"role": "assistant", "content": reply}]) for messages, reply in TAUGHT]
+    width = max(len(ids) for ids, _ in rows) - 1
+    x = torch.tensor([ids[:-1] + [0] * (width - len(ids) + 1) for ids, _ in rows])
+    y = torch.tensor([[t if m else -1 for t, m in zip(ids[1:], mask[1:])] + [-1] * (width - len(ids) + 1)
+                      for ids, mask in rows])
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(300):
+        _, loss = model(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 1e-3:
+            break
+    out = tmp_path_factory.mktemp("chat") / "taught"
+    out.mkdir()
+    state = checkpoint.training_state(model.state_dict(), model.config, TrainConfig(),
+                                      DatasetMeta.gpt2(chat=chat.TEMPLATE), iter_num=0, best_val_loss=float("inf"))
+    checkpoint.save(state, str(out / checkpoint.BEST))
+    return out

@@ -1,10 +1,18 @@
 """The chat format (machinery/chat.py): a conversation's token ids and loss mask written out by hand, text that looks
 like a special token stays text, and Hugging Face's apply_chat_template with chat.jinja_template gives the same ids
-and mask (transformers, on GPT-2's own tokenizer files)."""
+and mask (transformers, on GPT-2's own tokenizer files); talking to a chat model: sample.py --chat, the context
+kept to block_size by dropping the oldest turns, export.py's tokenizer (apply_chat_template on the exported
+directory) and transformers' generate on the exported model (a tiny model taught two replies: conftest.TAUGHT)."""
+
+import io
+import sys
 
 import pytest
 
-from machinery import chat
+import export
+import sample
+from conftest import TAUGHT, assert_one_error_line, run_in_process
+from machinery import chat, talk
 from machinery.errors import UserError
 from machinery.tokenizer import CharTokenizer
 
@@ -71,3 +79,85 @@ def test_hugging_faces_apply_chat_template_gives_the_same_ids_and_mask(tmp_path)
     prompt, _ = chat.encode(chat.tokenizer(), CONVERSATION[:2], add_generation_prompt=True)
     assert hf.apply_chat_template(CONVERSATION[:2], tokenize=True, add_generation_prompt=True,
                                   return_dict=True)["input_ids"] == prompt
+
+
+# ---------------------------------------------------------------------- talking to a chat model
+
+
+def chat_in_terminal(ckpt_dir, lines, *args, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+    return run_in_process(sample.main, f"--out_dir={ckpt_dir}", "--device=cpu", "--dtype=float32", "--chat",
+                          "--temperature=0", *args)
+
+
+def test_sample_py_chat_streams_each_reply_and_ends_at_an_empty_line_or_the_input_end(taught_chat_dir, monkeypatch):
+    proc = chat_in_terminal(taught_chat_dir, "Hello\n\nBye\n", monkeypatch=monkeypatch)
+    assert proc.returncode == 0 and proc.stdout == "Hi there!\n"  # the empty line ended it before "Bye"
+    proc = chat_in_terminal(taught_chat_dir, "Bye\n", "--system=Be brief.", monkeypatch=monkeypatch)
+    assert proc.returncode == 0 and proc.stdout == "Goodbye.\n\n"  # the input's end (Ctrl-D): a new line
+
+
+@pytest.mark.parametrize("args, words", [(["--start=Hi"], ["--start", "--chat"]),
+                                         (["--num_samples=2"], ["--num_samples", "--chat"])])
+def test_sample_py_chat_mistakes_are_one_line_errors(taught_chat_dir, args, words, monkeypatch):
+    assert_one_error_line(chat_in_terminal(taught_chat_dir, "Hello\n", *args, monkeypatch=monkeypatch), *words)
+    proc = run_in_process(sample.main, f"--out_dir={taught_chat_dir}", "--system=Be brief.")
+    assert_one_error_line(proc, "--system", "--chat")
+
+
+def test_a_model_not_tuned_on_a_chat_format_cannot_chat(tmp_path, monkeypatch):
+    import torch
+
+    from machinery import checkpoint
+    from machinery.meta import DatasetMeta
+    from model import GPT, GPTConfig
+    from train import TrainConfig
+
+    for name, data_meta in (("base", DatasetMeta.gpt2()), ("char", DatasetMeta.of(CharTokenizer("abc ")))):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=16, vocab_size=data_meta.model_vocab_size, n_layer=1, n_head=1, n_embd=8))
+        (tmp_path / name).mkdir()
+        checkpoint.save(checkpoint.training_state(model.state_dict(), model.config, TrainConfig(), data_meta, 0,
+                                                  float("inf")), str(tmp_path / name / checkpoint.BEST))
+    assert_one_error_line(chat_in_terminal(tmp_path / "base", "Hi\n", monkeypatch=monkeypatch), "chat format")
+    assert_one_error_line(chat_in_terminal(tmp_path / "char", "Hi\n", monkeypatch=monkeypatch), "GPT-2 BPE")
+
+
+def test_a_long_conversation_keeps_the_latest_turns_that_leave_room_for_a_reply_and_the_system_message():
+    tok = chat.tokenizer()
+    system = [{"role": "system", "content": "Be brief."}]
+    said = [(f"Question number {i} is here", f"Answer {i}.") for i in range(6)]
+    conversation = talk.Conversation(tok, block_size=60, room=10, system="Be brief.")
+    for i, (question, answer) in enumerate(said):
+        ids = conversation.prompt(question)
+        # the expected prompt: the most recent turns k (whole ones) such that it leaves room tokens of 60
+        for k in range(i, -1, -1):
+            messages = system + [m for q, a in said[i - k:i] for m in ({"role": "user", "content": q},
+                                                                       {"role": "assistant", "content": a})]
+            expected, _ = chat.encode(tok, messages + [{"role": "user", "content": question}],
+                                      add_generation_prompt=True)
+            if len(expected) + 10 <= 60 or k == 0:
+                break
+        assert ids == expected
+        conversation.answered(answer)
+    assert conversation.dropped > 0
+
+
+def test_the_exported_chat_model_talks_the_same_in_transformers(taught_chat_dir, tmp_path):
+    import torch
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    assert run_in_process(export.main, f"--out_dir={taught_chat_dir}", tmp_path / "hf").returncode == 0
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    for messages, reply in TAUGHT:
+        conversation = messages + [{"role": "assistant", "content": reply}]
+        out = hf.apply_chat_template(conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert (out["input_ids"], out["assistant_masks"]) == tuple(map(list, chat.encode(chat.tokenizer(),
+                                                                                          conversation)))
+        prompt = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+        with torch.no_grad():
+            generated = model.generate(torch.tensor([prompt["input_ids"]]), max_new_tokens=20, do_sample=False,
+                                       eos_token_id=chat.stop_token(), pad_token_id=chat.stop_token())
+        new = generated[0, len(prompt["input_ids"]):].tolist()
+        assert new[-1] == chat.stop_token() and hf.decode(new, skip_special_tokens=True) == reply

@@ -72,6 +72,7 @@ def test_override_order(tmp_path):
     ("--limit=7", "limit", 7),
     ("--limit=None", "limit", None),
     ("--maybe=True", "maybe", True),
+    ("--flag", "flag", True),  # a True/False setting alone is a switch
     ("--maybe=None", "maybe", None),
     ("--betas=(0.5, 0.6)", "betas", (0.5, 0.6)),
 ])
@@ -90,6 +91,7 @@ def test_command_line_values_are_converted_to_the_field_type(arg, key, value):
     (["--limit=1.5"], "limit"),
     (["--betas=0.9"], "betas"),
     (["--steps"], "--steps"),
+    (["--maybe"], "--maybe"),  # (None, True or False: say which)
 ])
 def test_command_line_mistakes_name_the_key(argv, named):
     with pytest.raises(UserError) as e:
