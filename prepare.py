@@ -4,6 +4,7 @@ Turn a text file into a training dataset: data/<name>/{train.bin, val.bin, meta.
     python prepare.py shakespeare_char [--input PATH]   # Tiny Shakespeare, one token per character
     python prepare.py shakespeare [--input PATH]        # the same corpus in GPT-2 BPE
     python prepare.py text --input PATH --name NAME [--tokenizer char|gpt2]
+    python prepare.py chat --input FILE|DIR [--name NAME] [--max_len 1024]   # conversations (conversations.py)
 
 train.bin / val.bin hold the token ids of the first 90% / last 10% of the text
 (split by characters) as raw uint16, nanoGPT's format, so data prepared for
@@ -20,7 +21,7 @@ from contextlib import ExitStack
 import numpy as np
 from tqdm import tqdm
 
-from machinery import corpus, dataset, meta
+from machinery import conversations, corpus, dataset, meta
 from machinery.errors import UserError, run_main
 from machinery.fileio import atomic_write
 from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -138,19 +139,26 @@ class OneLineParser(argparse.ArgumentParser):
 
 def main(argv=None):
     p = OneLineParser(description="Prepare a corpus for train.py: data/NAME/train.bin, val.bin and meta.json for a "
-                                  "text file; llm.c token shards for large corpora (openwebtext, fineweb_edu).")
-    p.add_argument("corpus", choices=["shakespeare_char", "shakespeare", "text", "openwebtext", "fineweb_edu"],
+                                  "text file (for chat conversations also a loss mask and offsets); llm.c token shards "
+                                  "for large corpora (openwebtext, fineweb_edu).")
+    p.add_argument("corpus", choices=["shakespeare_char", "shakespeare", "text", "chat", "openwebtext", "fineweb_edu"],
                    help="which corpus to prepare: shakespeare_char: Tiny Shakespeare by character; shakespeare: Tiny Shakespeare in GPT-2 BPE; "
-                        "text: any UTF-8 file, or a directory of documents, given with --input; openwebtext, "
+                        "text: any UTF-8 file, or a directory of documents, given with --input; chat: conversations "
+                        "(JSON lines of {\"messages\": [...]}, or parquet with a messages column); openwebtext, "
                         "fineweb_edu: GPT-2 token shards, from the Hugging Face hub or --input")
     p.add_argument("--input", help="local text file (for shakespeare*: skips the download); for text, openwebtext and "
                                    "fineweb_edu, a directory or file of documents (.parquet with a text column, "
-                                   ".jsonl[.gz] with a \"text\" field, .txt files of one document each)")
+                                   ".jsonl[.gz] with a \"text\" field, .txt files of one document each); for chat, "
+                                   "a .jsonl[.gz] or .parquet file of conversations, or a directory of them")
     p.add_argument("--name", help="the dataset's name: output in DATA_DIR/NAME (a plain name, not a path; default: "
                                   "the corpus's)")
-    p.add_argument("--tokenizer", choices=["char", "gpt2"], default="char", help="for a `text` file (default char)")
+    p.add_argument("--tokenizer", choices=["char", "gpt2"], help="for a `text` file (default char; chat: gpt2 only)")
     p.add_argument("--data_dir", default=dataset.DATA_DIR, help=f"where datasets live (default: {dataset.DATA_DIR})")
-    p.add_argument("--val_fraction", type=float, default=0.1, help="share of a text file kept for validation")
+    p.add_argument("--val_fraction", type=float, default=0.1, help="share of a text file (or of the conversations) "
+                                                                   "kept for validation")
+    p.add_argument("--max_len", type=int, default=conversations.DEFAULT_MAX_LEN,
+                   help="chat: the most tokens a conversation may have (default 1024; train with block_size >= "
+                        "max_len - 1): a longer one is cut after its last assistant turn that fits, or dropped")
     p.add_argument("--subset", help="fineweb_edu: the hub subset (default sample-10BT; e.g. sample-100BT, "
                                     "CC-MAIN-2024-10)")
     p.add_argument("--num_proc", type=int, default=None, help="tokenizer processes for shards (default: every core)")
@@ -165,10 +173,16 @@ def main(argv=None):
         corpus.prepare_from_cli(args.corpus, args.data_dir, args.name, args.input, args.subset, args.num_proc,
                                 args.shard_tokens)
         return
+    if args.corpus == "chat":
+        if not args.input:
+            raise UserError("`chat` needs --input FILE|DIR (JSON lines or parquet conversations)")
+        conversations.prepare(args.input, dataset.resolve(args.data_dir, args.name or "chat"), args.tokenizer or "gpt2",
+                              args.max_len, args.val_fraction)
+        return
     if args.corpus == "text":
         if not args.input or not args.name:
             raise UserError("`text` needs --input PATH and --name NAME")
-        name, kind = args.name, args.tokenizer
+        name, kind = args.name, args.tokenizer or "char"
     else:
         name, kind = args.corpus, "char" if args.corpus == "shakespeare_char" else "gpt2"
     input_path = args.input or download_shakespeare(args.data_dir)

@@ -26,8 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from machinery import checkpoint, configurator, convert, dataset, distributed, meta, outdir
-from machinery.dataset import BatchSampler, whole_split_batches
+from machinery import checkpoint, configurator, conversations, convert, dataset, distributed, meta, outdir
 from machinery.configurator import setting
 from machinery.dataset import DATA_DIR
 from machinery.errors import UserError, first_line, run_main
@@ -67,6 +66,8 @@ class TrainConfig:
     gradient_accumulation_steps: int = setting(40, "micro-batches per optimizer step, over all processes together")
     batch_size: int = setting(12, "sequences per micro-batch per process")
     block_size: int = setting(1024, "context length in tokens")
+    chat_loss: str = setting("assistant", "on a chat dataset, the loss on the assistant's tokens (assistant) or on "
+                                          "every token (all)")
     # model
     n_layer: int = setting(12, "transformer blocks")
     n_head: int = setting(12, "attention heads per block")
@@ -129,6 +130,7 @@ class TrainConfig:
         if self.min_lr < 0 or self.min_lr > self.learning_rate:
             raise UserError(f"min_lr must be between 0 and learning_rate, got {self.min_lr}")
         for name, allowed in (("optimizer", ("adamw", "muon")), ("parallel", ("ddp", "fsdp")),
+                              ("chat_loss", conversations.LEARN),
                               ("muon_ns_steps", range(1, len(POLAR_EXPRESS) + 1))):
             if getattr(self, name) not in allowed:
                 raise UserError(f"{name} must be one of {', '.join(map(str, allowed))}, got {getattr(self, name)!r}")
@@ -169,8 +171,10 @@ class Trainer:
         self.log = print if self.world.is_master else (lambda *a, **k: None)
         self.accum = distributed.micro_steps(cfg.gradient_accumulation_steps, self.world)  # on this rank
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-        self.dataset = dataset.load(dataset.resolve(cfg.data_dir, cfg.dataset), cfg.block_size)
+        self.dataset = conversations.load(dataset.resolve(cfg.data_dir, cfg.dataset), cfg.block_size, cfg.chat_loss)
         self.data_meta = self.dataset.data_meta
+        # chat data: a step's loss is the mean over all its target tokens, not over its micro-batches (None: those)
+        self.token_mean = conversations.token_mean(self.dataset, self.accum, cfg.batch_size, self.world, self.device)
         self.hellaswag = TrainingHellaSwag(cfg, self.data_meta, self.device, self.autocast, self.log, self.world)
         enable_tf32(self.device_type)
 
@@ -284,20 +288,23 @@ class Trainer:
     def optimizer_step(self, x, y):
         """One optimizer step: accum micro-batches on this rank, the first being (x, y); gradients are
         synchronised across ranks only on the last one. Returns the last micro-batch's loss (divided by
-        accum) and the next batch, fetched while the device works."""
+        accum; on chat data the step's loss) and the next batch, fetched while the device works."""
         guard_nan = not self.scaler.is_enabled()  # with fp16 the GradScaler skips bad steps instead
         for micro_step in range(self.accum):
             last = micro_step == self.accum - 1
             with distributed.gradient_sync(self.model, self.raw_model, self.world, self.cfg.parallel, last):
                 with self.autocast:
                     _, loss = self.model(x, y)
-                    loss = loss / self.accum  # the mean over micro-steps; DDP averages over ranks
+                    # the mean over micro-steps (DDP averages over ranks); chat data: weighed by its targets
+                    loss = loss / self.accum if self.token_mean is None else self.token_mean.weigh(loss, y)
                 if guard_nan:  # numbered as the `iter N:` log line of this step
                     bad = ~torch.isfinite(loss.detach())
                     self.nonfinite_at = torch.where(bad & (self.nonfinite_at < 0), self.iter_num + 1,
                                                     self.nonfinite_at)
                 x, y = self.next_batch()
                 self.scaler.scale(loss).backward()
+        if self.token_mean is not None:
+            loss = self.token_mean.finish(self.raw_model)  # the gradients scaled to the step's mean, and its loss
         if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
@@ -308,7 +315,8 @@ class Trainer:
 
     def log_iteration(self, loss, dt, lr, local_iter):
         self.check_finite()
-        lossf = loss.item() * self.accum  # the last micro-batch's loss (syncs with the device)
+        # the last micro-batch's loss, or a chat step's (syncs with the device)
+        lossf = loss.item() * (self.accum if self.token_mean is None else 1)
         line = f"iter {self.iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, tok/s {self.tokens_per_iter / dt:,.0f}"
         if self.flops_peak and local_iter >= 5:  # skip the first iterations (compilation, warm-up)
             mfu = self.raw_model.estimate_mfu(self.cfg.batch_size * self.accum, dt, self.flops_peak)  # per device
@@ -398,7 +406,8 @@ class Trainer:
             generator.set_state(torch.get_rng_state())
         else:
             generator.manual_seed(self.cfg.seed + 1000 * self.world.rank + 1)
-        return BatchSampler(self.dataset.train, self.cfg.batch_size, self.cfg.block_size, generator, self.device)
+        return conversations.batch_sampler(self.dataset.train, self.cfg.batch_size, self.cfg.block_size, generator,
+                                           self.device)
 
     def _restore(self, ckpt):
         checkpoint.load_optimizer_state(self.raw_model, self.optimizer, ckpt.optimizer_state,
@@ -459,7 +468,7 @@ def save_due(iter_num, cfg):
 
 @torch.no_grad()
 def split_losses(model, dataset, generator, cfg, device, autocast, world):
-    """The mean loss of each split, {"train": ..., "val": ...}, averaged over the ranks.
+    """The mean loss of each split over its target tokens, {"train": ..., "val": ...}, over every rank's batches.
     eval_iters random batches of each split, drawn with generator (as in nanoGPT, the training batches' stream: a
     resumed run, which evaluates again at its first step, draws the same ones), split over the ranks, every rank
     the same number (an FSDP forward is a collective); with eval_whole_val, the whole val split in order."""
@@ -467,16 +476,20 @@ def split_losses(model, dataset, generator, cfg, device, autocast, world):
     out = {}
     for split, data in (("train", dataset.train), ("val", dataset.val)):
         if split == "val" and cfg.eval_whole_val:
-            batches = whole_split_batches(data, cfg.batch_size, cfg.block_size, device, world.rank, world.size)
+            batches = conversations.split_batches(data, cfg.batch_size, cfg.block_size, device, world.rank,
+                                                  world.size)
         else:
-            sampler = BatchSampler(data, cfg.batch_size, cfg.block_size, generator, device)
+            sampler = conversations.batch_sampler(data, cfg.batch_size, cfg.block_size, generator, device)
             batches = (sampler.next() for _ in range(math.ceil(cfg.eval_iters / world.size)))
-        totals = torch.zeros(2, device=device, dtype=torch.float64)  # loss summed over windows, windows
+        totals = torch.zeros(2, device=device, dtype=torch.float64)  # loss summed over the targets, targets
         for x, y in batches:
             with autocast:
                 _, loss = model(x, y)
-            totals[0] += loss.double() * len(x)  # weighted: the whole split's last batch can be smaller
-            totals[1] += len(x)
+            # loss is the mean over the batch's targets (-1: none), which vary: the whole split's last batch can be
+            # smaller, a chat batch's rows hold conversations of any length
+            targets = (y >= 0).sum()
+            totals[0] += loss.double() * targets
+            totals[1] += targets
         totals = distributed.all_reduce(totals)
         out[split] = (totals[0] / totals[1]).item()
     model.train()

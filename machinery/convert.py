@@ -88,6 +88,8 @@ def load_for_finetune(name_or_path, data_meta, dataset, block_size, dropout):
                         f"python prepare.py shakespeare, or prepare.py text --tokenizer gpt2)")
     model = load_hf(name_or_path, dropout)
     mc = model.config
+    if data_meta.vocab_size > mc.vocab_size and data_meta.chat:
+        grow_vocab(model, data_meta.model_vocab_size)  # the chat format's special tokens, in GPT-2's spare ids
     if data_meta.vocab_size > mc.vocab_size:
         raise UserError(f"dataset {dataset} has {data_meta.vocab_size} tokens, more than {name_or_path}'s "
                         f"vocab_size {mc.vocab_size}")
@@ -97,6 +99,18 @@ def load_for_finetune(name_or_path, data_meta, dataset, block_size, dropout):
     if block_size < mc.block_size:
         model.crop_block_size(block_size)
     return model
+
+
+def grow_vocab(model, vocab_size):
+    """Give model's (tied) token embedding rows up to vocab_size: GPT-2's 50257 padded to 50304, as a model trained
+    here has, so that special tokens in the spare ids (chat.py's) can be learned. A new row starts as the mean of
+    the others: its logit is then an average one, where a zero row's (0) would tower over GPT-2's, which are far
+    below 0, and take most of the probability."""
+    old = model.tok_emb.weight.data
+    new = torch.cat([old, old.mean(dim=0, keepdim=True).expand(vocab_size - len(old), -1)])
+    model.tok_emb.weight = torch.nn.Parameter(new)
+    model.lm_head.weight = model.tok_emb.weight  # tied again
+    model.tok_emb.num_embeddings = model.lm_head.out_features = model.config.vocab_size = vocab_size
 
 
 def to_hf(model, data_meta):

@@ -146,6 +146,11 @@ def _windows(data, starts, block_size, device):
     x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
     if not inside.all():
         x, y = x.masked_fill(~inside[:, :-1], 0), y.masked_fill(~inside[:, 1:], -1)
+    return to_device(x, y, device)
+
+
+def to_device(x, y, device):
+    """A batch (x, y) built on the CPU, moved to device (a torch.device)."""
     if device.type == "cuda":
         # pinned host memory lets the copy run asynchronously with the GPU's work
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)

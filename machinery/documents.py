@@ -1,7 +1,8 @@
 """
 The documents of a large corpus, in order: local parquet files (a `text` column), JSON lines (a "text"
 field, optionally gzipped) and .txt files (one document each), or a dataset's parquet files on the
-Hugging Face hub. corpus.py turns them into token shards.
+Hugging Face hub. corpus.py turns them into token shards. (conversations.py reads a chat dataset's files, JSON
+lines and parquet, with the same readers: local_files, jsonl_records, parquet_values.)
 
 A source gives its documents after the first `skip` (documents(skip)), so an interrupted preparation
 continues where it stopped; parquet row groups wholly skipped are never read.
@@ -28,8 +29,8 @@ def _import_pyarrow_parquet():
     return pq
 
 
-def _open_parquet(path):
-    """A pyarrow ParquetFile that has a `text` column (checked from the footer alone)."""
+def open_parquet(path, column="text", what="documents"):
+    """A pyarrow ParquetFile that has the column (checked from the footer alone)."""
     pq = _import_pyarrow_parquet()
     try:
         # a buffered stream reads a row group's pages as they are needed: without it pyarrow loads the
@@ -37,32 +38,39 @@ def _open_parquet(path):
         pf = pq.ParquetFile(path, pre_buffer=False, buffer_size=PARQUET_BUFFER_BYTES)
     except Exception as e:  # pyarrow.ArrowInvalid and friends: not a parquet file
         raise UserError(f"{path} is not a readable parquet file ({type(e).__name__}); replace or remove it") from None
-    if "text" not in pf.schema_arrow.names:
-        raise UserError(f"{path} has no `text` column (columns: {', '.join(pf.schema_arrow.names)}); "
-                        f"give parquet files with the documents in a `text` column")
+    if column not in pf.schema_arrow.names:
+        raise UserError(f"{path} has no `{column}` column (columns: {', '.join(pf.schema_arrow.names)}); "
+                        f"give parquet files with the {what} in a `{column}` column")
     return pf
 
 
-def _parquet_docs(path, skip):
-    """The `text` values of a parquet file, in row order, after the first `skip` rows (whole row groups
-    skipped are never read)."""
-    pf = _open_parquet(path)
+def parquet_values(path, column, skip=0):
+    """The values of a parquet file's column (as Python objects), in row order, after the first `skip` rows (whole
+    row groups skipped are never read)."""
+    pf = open_parquet(path, column)
     for g in range(pf.num_row_groups):
         rows = pf.metadata.row_group(g).num_rows
         if skip >= rows:
             skip -= rows
             continue
-        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[g], columns=["text"]):
-            texts = batch.column(0).to_pylist()
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[g], columns=[column]):
+            values = batch.column(0).to_pylist()
             if skip:
-                texts, skip = texts[skip:], max(0, skip - len(texts))
-            for text in texts:
-                if not isinstance(text, str):
-                    raise UserError(f"{path} has a row whose `text` is {text!r}, not a string; remove that row")
-                yield text
+                values, skip = values[skip:], max(0, skip - len(values))
+            yield from values
 
 
-def _jsonl_docs(path):
+def _parquet_docs(path, skip):
+    """The `text` values of a parquet file, in row order, after the first `skip` rows."""
+    for text in parquet_values(path, "text", skip):
+        if not isinstance(text, str):
+            raise UserError(f"{path} has a row whose `text` is {text!r}, not a string; remove that row")
+        yield text
+
+
+def jsonl_records(path):
+    """(line number, value) of each non-blank line of a JSON lines file (optionally gzipped), with one-line errors
+    for a line that is not JSON and a file that is not UTF-8."""
     opener = gzip.open if path.endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8") as f:
@@ -73,13 +81,18 @@ def _jsonl_docs(path):
                     record = json.loads(line)
                 except ValueError:
                     raise UserError(f"{path} line {number} is not valid JSON; give one JSON object per line") from None
-                text = record.get("text") if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    raise UserError(f"{path} line {number} has no string \"text\" field; "
-                                    f"give one {{\"text\": ...}} object per line")
-                yield text
+                yield number, record
     except (UnicodeDecodeError, OSError, EOFError) as e:
         raise UserError(f"cannot read {path} as UTF-8 JSON lines ({type(e).__name__}); check the file") from None
+
+
+def _jsonl_docs(path):
+    for number, record in jsonl_records(path):
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise UserError(f"{path} line {number} has no string \"text\" field; "
+                            f"give one {{\"text\": ...}} object per line")
+        yield text
 
 
 def _txt_doc(path):
@@ -94,7 +107,7 @@ def _parquet_docs_after(path, skip):
     """The documents of a parquet file after the first `skip`, and what is left of skip for the next files.
 
     A file wholly skipped is not read, only its row count."""
-    rows = _open_parquet(path).metadata.num_rows
+    rows = open_parquet(path).metadata.num_rows
     if skip >= rows:
         return iter(()), skip - rows
     return _parquet_docs(path, skip), 0
@@ -115,6 +128,24 @@ def _documents_of_files(paths, skip):
             yield doc
 
 
+def local_files(path, suffixes, what="documents"):
+    """--input's files: path itself, or the files under the directory path whose names end with one of suffixes
+    (walked in sorted order); one-line errors for a missing path, an empty directory, a file of another kind."""
+    full = os.path.abspath(path)
+    if os.path.isfile(path):
+        files = [full]
+    elif os.path.isdir(path):
+        files = [os.path.join(root, f) for root, dirs, names in sorted(os.walk(full))
+                 for f in sorted(names) if f.endswith(suffixes) and not f.startswith(".")]
+        if not files:
+            raise UserError(f"{path} holds no {', '.join(suffixes)} files; give a directory of {what}")
+    else:
+        raise UserError(f"input {path} does not exist; pass an existing file or directory with --input")
+    if not files[0].endswith(suffixes):
+        raise UserError(f"{path} is not a {', '.join(suffixes)} file; give {what} in one of those formats")
+    return files
+
+
 class LocalSource:
     """The documents of a local file or directory (walked in sorted order).
 
@@ -124,20 +155,10 @@ class LocalSource:
     def __init__(self, path, suffixes=LOCAL_SUFFIXES):
         self.path = os.path.abspath(path)
         self.description = self.path
-        if os.path.isfile(path):
-            self.files = [self.path]
-        elif os.path.isdir(path):
-            self.files = [os.path.join(root, f) for root, dirs, names in sorted(os.walk(self.path))
-                          for f in sorted(names) if f.endswith(suffixes) and not f.startswith(".")]
-            if not self.files:
-                raise UserError(f"{path} holds no {', '.join(suffixes)} files; give a directory of documents")
-        else:
-            raise UserError(f"input {path} does not exist; pass an existing file or directory with --input")
-        if not self.files[0].endswith(suffixes):
-            raise UserError(f"{path} is not a {', '.join(suffixes)} file; give documents in one of those formats")
+        self.files = local_files(path, suffixes)
         for f in self.files:  # footers only: a bad parquet file stops us before anything is written
             if f.endswith(".parquet"):
-                _open_parquet(f)
+                open_parquet(f)
 
     def documents(self, skip=0):
         return _documents_of_files(self.files, skip)
