@@ -233,6 +233,19 @@ def test_a_lora_run_resumes_exactly_and_keeps_its_lora_settings(tmp_path, lora_r
     assert torch.equal(a["ranks"][0]["rng"]["torch"], b["ranks"][0]["rng"]["torch"])
 
 
+def test_lora_on_a_new_model_with_muon_resumes_exactly(tmp_path, char_data):
+    """init_from=scratch (the base rebuilt from its seed on resume) and optimizer=muon (Muon on the adapters: the
+    optimizer then has no AdamW parameters at all): 4 steps straight equal 2 + resume 2."""
+    args = dict(max_iters=4, eval_interval=2, optimizer="muon", dropout=0.1)
+    train(*tiny_train_args(char_data, tmp_path / "straight", **args, lora_rank=2, lora_dropout=0.1))
+    train(*tiny_train_args(char_data, tmp_path / "split", **dict(args, max_iters=2), lora_rank=2, lora_dropout=0.1))
+    train(*tiny_train_args(char_data, tmp_path / "split", **args, init_from="resume"))
+    a, b = load_checkpoint(tmp_path / "straight" / "ckpt.pt"), load_checkpoint(tmp_path / "split" / "ckpt.pt")
+    assert a["iter_num"] == b["iter_num"] == 4 and a["lora"] == b["lora"] and a["lora"]["base"]["seed"] == 1337
+    torch.testing.assert_close(b["model"], a["model"], rtol=0, atol=0)
+    torch.testing.assert_close(b["optimizer"]["state"], a["optimizer"]["state"], rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------- exports, against peft and transformers
 
 
