@@ -16,6 +16,17 @@ and bias=False are written.
 --to=gguf writes one GGUF file (llama.cpp's GPT-2 architecture, the tokenizer inside; machinery/gguf_export.py)
 in --outtype f32, f16 (the default) or q8_0. Needs the gguf package: pip install gguf==0.19.0.
 
+A LoRA run's checkpoint (train.py --lora_rank) exports merged: its base with the adapters added in, as any model.
+--adapter_only writes the adapters alone in PEFT's format instead (machinery/lora.py): adapter_config.json and
+adapter_model.safetensors, named by GPT-2's modules, which peft puts on the base's Hugging Face weights:
+
+    python export.py --out_dir=out-lora --adapter_only lora-adapter
+    PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained("gpt2"), "lora-adapter")
+
+Its base_model_name_or_path names the base as the run did: openai-community/gpt2 (...-xl) for --init_from=gpt2
+(...), the absolute path of a Hugging Face directory for --init_from=DIR. A base of our own: export it (--to=hf),
+train from that directory.
+
 A model a format cannot express is refused in one line, and nothing is written. nanoGPT's ckpt.pt exports
 too (--out_dir=its out_dir --ckpt=latest).
 """
@@ -25,12 +36,12 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from machinery import configurator, convert, gguf_export, loading
+from machinery import checkpoint, configurator, convert, gguf_export, loading, lora
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 
-USAGE = ("python export.py [--out_dir=DIR] [--ckpt=best|latest] [--to=hf|gguf] [--outtype=f32|f16|q8_0] DEST  "
-         "(DEST: a new or empty directory for hf, a new file for gguf)")
+USAGE = ("python export.py [--out_dir=DIR] [--ckpt=best|latest] [--to=hf|gguf] [--outtype=f32|f16|q8_0] "
+         "[--adapter_only] DEST  (DEST: a new or empty directory for hf, a new file for gguf)")
 
 
 @dataclass
@@ -38,6 +49,8 @@ class ExportConfig(loading.ModelSource):
     to: str = setting("hf", "format: hf (Hugging Face GPT2LMHeadModel and its tokenizer: a directory) or gguf "
                             "(llama.cpp: one file)")
     outtype: Optional[str] = setting(None, "to=gguf: the weights' type, f32, f16 or q8_0 (None: f16)")
+    adapter_only: bool = setting(False, "a LoRA run: only its adapters, in PEFT's format (adapter_config.json, "
+                                        "adapter_model.safetensors), not the merged model")
 
     def validate(self):
         super().validate()
@@ -45,18 +58,29 @@ class ExportConfig(loading.ModelSource):
             raise UserError(f"--to must be hf (Hugging Face GPT-2) or gguf (llama.cpp), got {self.to!r}")
         if self.to == "gguf":
             gguf_export.check_outtype(self.outtype or "f16")
-        elif self.outtype is not None:
+        if self.adapter_only and (self.to != "hf" or self.init_from != "resume"):
+            raise UserError("--adapter_only writes a LoRA checkpoint's adapters (--out_dir) in PEFT's format, a "
+                            "directory: drop --to and --init_from")
+        if self.to == "hf" and self.outtype is not None:
             raise UserError(f"--outtype is for --to=gguf; a Hugging Face export keeps the model's float32 "
                             f"(drop --outtype={self.outtype})")
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    argv = ["--adapter_only=True" if a == "--adapter_only" else a for a in argv]  # (the flag alone too)
     cfg = configurator.parse(ExportConfig, [a for a in argv if a.startswith("-")], usage=USAGE, extra_files_ok=False)
     dests = [a for a in argv if not a.startswith("-")]
     if len(dests) != 1:
         raise UserError(f"give one destination: {USAGE}")
     cfg.validate()
+    if cfg.adapter_only:
+        ckpt = checkpoint.load(checkpoint.find(cfg.out_dir, cfg.ckpt))
+        adapters = ckpt.adapters  # (a whole model's checkpoint has none: one line)
+        config, tensors = lora.peft_files(ckpt.lora_record, adapters, ckpt.model_config)
+        written = convert.write_directory(dests[0], {lora.PEFT_CONFIG: config, lora.PEFT_WEIGHTS: tensors})
+        print(f"wrote {dests[0]}: {', '.join(written)} from {ckpt.path} (base: {config['base_model_name_or_path']})")
+        return
     if cfg.to == "gguf":
         gguf_export.import_gguf()  # before loading anything
     loaded = loading.load(cfg)  # on the CPU, in float32

@@ -75,10 +75,12 @@ def is_hidden_matrix(name, param):
 
 
 def _adamw_groups(params, weight_decay):
-    """Weight decay on matrices and embeddings (>= 2-D) only, not on biases and LayerNorm gains."""
+    """Weight decay on matrices and embeddings (>= 2-D) only, not on biases and LayerNorm gains. A group left empty
+    (LoRA trains matrices only) is left out: torch's checkpoint functions refuse more than one empty group."""
     params = list(params)
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 class MuonAdamW(torch.optim.AdamW):

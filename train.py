@@ -18,6 +18,7 @@ what a checkpoint records, checkpoint.training_state and resume_state.
 
 import gc
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, fields
@@ -26,7 +27,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from machinery import checkpoint, configurator, conversations, convert, dataset, distributed, meta, outdir
+from machinery import checkpoint, configurator, conversations, convert, dataset, distributed, lora, meta, outdir
 from machinery.configurator import setting
 from machinery.dataset import DATA_DIR
 from machinery.errors import UserError, first_line, run_main
@@ -79,6 +80,12 @@ class TrainConfig:
                                 "the weights' own when resuming or finetuning")
     qk_norm: bool = setting(False, "normalise each head's queries and keys (QK-norm; steadier with Muon)")
     mlp_ratio: int = setting(4, "the MLP's hidden width in multiples of n_embd (GPT-2: 4)")
+    # LoRA (machinery/lora.py): train low-rank adapters on the linear layers, every weight of the model frozen
+    lora_rank: int = setting(0, "LoRA: the adapters' rank (0: no LoRA, every weight trains)")
+    lora_alpha: float = setting(16.0, "LoRA: the adapters' output is scaled by lora_alpha / lora_rank")
+    lora_dropout: float = setting(0.0, "LoRA: dropout on the adapters' input")
+    lora_targets: str = setting("attn,proj,mlp", "LoRA: the layers given adapters, a comma list of attn (the q/k/v "
+                                                 "projection), proj (attention's output) and mlp (both MLP layers)")
     # optimizer
     optimizer: str = setting("adamw", "adamw, or muon: Muon on the blocks' matrices, AdamW on the rest")
     learning_rate: float = setting(6e-4, "peak learning rate (AdamW's)")
@@ -139,6 +146,7 @@ class TrainConfig:
             self.gpt_config(self.vocab_size or meta.DatasetMeta.gpt2().model_vocab_size).validate()
         except ValueError as e:
             raise UserError(str(e)) from None
+        lora.LoRASettings.of(self)  # (one-line errors)
         if self.init_from not in ("scratch", "resume"):
             convert.find_pretrained(self.init_from)  # GPT-2 weights: a clear error for a bad name or path
 
@@ -180,7 +188,10 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         ckpt = checkpoint.load(f"{cfg.out_dir}/{checkpoint.LATEST}") if cfg.init_from == "resume" else None
-        self.raw_model = self._build_model(ckpt).to(self.device)
+        model = self._build_model(ckpt)
+        # LoRA: adapters on the model, now a frozen base (a resumed LoRA run's came back with its weights)
+        self.lora = ckpt.lora_record if ckpt else lora.attach(model, cfg)
+        self.raw_model = model.to(self.device)
         self.model_config = self.raw_model.config
         if self.dataset.check_token_ids(self.model_config.vocab_size):
             self.log(f"checked every token id of {self.dataset.directory}: no meta.json describes its files as they "
@@ -215,6 +226,8 @@ class Trainer:
         self.log(f"tokens per iteration: {self.tokens_per_iter:,} ({self.world.size} process(es) x {self.accum} "
                  f"micro-steps x {cfg.batch_size} x {cfg.block_size})")
         self.log(f"parameters: {self.raw_model.get_num_params() / 1e6:.2f}M; {describe(self.device, self.dtype)}")
+        if self.lora:
+            self.log(lora.trainable_line(self.raw_model, self.lora))
         self.metrics = Metrics(cfg, self.resumed_from, eval_due(self.iter_num, 0, cfg), self.wandb_run_id) \
             if self.world.is_master else None
         self.wandb_run_id = (self.metrics and self.metrics.wandb_run_id) or self.wandb_run_id
@@ -339,14 +352,17 @@ class Trainer:
         if not all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
             raise UserError(f"the weights became NaN or infinite by iteration {self.iter_num}; {self._no_save}")
         state = checkpoint.training_state(weights, self.model_config, self.cfg, self.data_meta, self.iter_num,
-                                          self.best_val_loss)
+                                          self.best_val_loss, self.lora)
         if which == checkpoint.LATEST:
             # the sampler state from before the batch already fetched, so a resumed run fetches it again
             ranks = distributed.gather_objects(checkpoint.rank_state(self.batch_state), self.world)
             state = checkpoint.resume_state(state, checkpoint.optimizer_state(self.raw_model, self.optimizer),
                                             self.scaler.state_dict(), ranks, self.wandb_run_id)
         if self.world.is_master:
-            checkpoint.save(state, f"{self.cfg.out_dir}/{which}")
+            path = f"{self.cfg.out_dir}/{which}"
+            checkpoint.save(state, path)
+            if self.lora:  # (LoRA saves the adapters, and in ckpt.pt their optimizer state: megabytes for GPT-2)
+                self.log(f"saved {path}: {os.path.getsize(path) / 1e6:.2f} MB")
         self.saved_at[which] = self.iter_num
 
     def check_finite(self, sync=False):

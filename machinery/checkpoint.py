@@ -12,6 +12,8 @@ for anything else (unpickling can call any function) is refused in one line, as 
 
     model, model_config, train_config, iter_num, best_val_loss, meta (the dataset's tokenizer)
     ckpt.pt also: optimizer, scaler, ranks (per process: every RNG and the batch sampler), wandb_run_id
+    a LoRA run's: model holds only the adapters (the optimizer only theirs), and lora its settings and its
+    base, named and fingerprinted (lora.py): loading rebuilds the base and puts the adapters on it
 
 Weights and optimizer state are full (unsharded) tensors on the CPU, the optimizer's keyed by
 parameter name: a checkpoint written by any number of processes, with DDP or FSDP, resumes
@@ -28,7 +30,7 @@ from dataclasses import asdict, fields
 import numpy as np
 import torch
 
-from machinery import convert, meta
+from machinery import convert, lora, meta
 from machinery.errors import UserError, first_line
 from machinery.fileio import atomic_write
 from model import GPT, GPTConfig
@@ -59,13 +61,30 @@ class Checkpoint:
         return config
 
     def build_model(self):
-        """A GPT with the checkpoint's weights, on the CPU."""
+        """A GPT with the checkpoint's weights, on the CPU (a LoRA run's: its base with the adapters merged in)."""
+        if self.lora_record:
+            base = lora.build_base(self.lora_record, self.model_config, self.path)
+            return lora.merge(lora.load_adapters(base, self.lora_record, self.adapters, self.path))
         model = GPT(self.model_config)
         self.load_weights(model)
         return model
 
     def load_weights(self, model):
-        convert.load_weights(model, self._state["model"])
+        """Put the checkpoint's weights into model (a LoRA run's: its base's, and the adapters, unmerged)."""
+        if self.lora_record:
+            lora.restore(model, self.lora_record, self.adapters, self.path)
+        else:
+            convert.load_weights(model, self._state["model"])
+
+    lora_record = property(lambda self: self._state.get("lora"), doc="A LoRA run's settings and base (else None).")
+
+    @property
+    def adapters(self):
+        """A LoRA run's adapters (lora_A and lora_B of each targeted layer), by our names."""
+        if not self.lora_record:
+            raise UserError(f"{self.path} holds a whole model, not LoRA adapters (it was trained without "
+                            f"--lora_rank)")
+        return self._state["model"]
 
     @property
     def data_meta(self):
@@ -108,6 +127,7 @@ class Checkpoint:
         if mc.vocab_size < data_meta.vocab_size:
             raise UserError(f"{self.path} has vocab_size={mc.vocab_size} but dataset {cfg.dataset} needs "
                             f"{data_meta.vocab_size}; resume on the dataset it was trained on")
+        lora.resume_settings(self.lora_record, cfg, self.path)
         if self.data_meta is not None and not self.data_meta.same_tokens(data_meta):
             raise UserError(f"{self.path} was trained on data with other tokens ({self.data_meta.tokenizer} with a "
                             f"different character vocabulary) than dataset {cfg.dataset}; resume on the dataset "
@@ -117,10 +137,13 @@ class Checkpoint:
 # ---------------------------------------------------------------------- building and saving
 
 
-def training_state(model_state, model_config, train_config, data_meta, iter_num, best_val_loss):
-    """What best.pt holds: the weights and what it takes to use them."""
-    return {"model": model_state, "model_config": asdict(model_config), "train_config": asdict(train_config),
-            "iter_num": iter_num, "best_val_loss": best_val_loss, "meta": data_meta.to_dict()}
+def training_state(model_state, model_config, train_config, data_meta, iter_num, best_val_loss, lora_record=None):
+    """What best.pt holds: the weights and what it takes to use them (a LoRA run's: the adapters and its record)."""
+    state = {"model": model_state, "model_config": asdict(model_config), "train_config": asdict(train_config),
+             "iter_num": iter_num, "best_val_loss": best_val_loss, "meta": data_meta.to_dict()}
+    if lora_record:
+        state.update(model=lora.adapter_state(model_state), lora=lora_record)
+    return state
 
 
 def resume_state(state, optimizer_state, scaler_state, rank_states, wandb_run_id):

@@ -113,6 +113,15 @@ def grow_vocab(model, vocab_size):
     model.tok_emb.num_embeddings = model.lm_head.out_features = model.config.vocab_size = vocab_size
 
 
+def check_gpt2_format(model_config):
+    """Refuse in one line a model that GPT-2's format cannot express (a field beyond GPT-2's not at its default)."""
+    defaults = GPTConfig()
+    for key in GPTConfig.NOT_IN_GPT2:
+        value = getattr(model_config, key)
+        if value != getattr(defaults, key):
+            raise UserError(f"GPT-2's format cannot express {key}={value!r}; this model cannot be exported to it")
+
+
 def to_hf(model, data_meta):
     """config.json (a dict) and tensors in Hugging Face GPT2LMHeadModel format from our model.
 
@@ -121,11 +130,8 @@ def to_hf(model, data_meta):
     is written with zero biases: adding zero is exactly what leaving the bias out computes, so
     the export gives the same logits; importing it back gives bias=True with those zeros.
     """
-    defaults, mc = GPTConfig(), model.config
-    for key in GPTConfig.NOT_IN_GPT2:  # a field GPT-2's config.json cannot say must keep its default
-        value = getattr(mc, key)
-        if value != getattr(defaults, key):
-            raise UserError(f"GPT-2's format cannot express {key}={value!r}; this model cannot be exported to it")
+    mc = model.config
+    check_gpt2_format(mc)
     state = model.state_dict()
     for key, weight in list(state.items()):
         bias = key[:-len("weight")] + "bias"
@@ -188,22 +194,32 @@ def write_hf(directory, config, tensors, data_meta=None):
     """Write a new or empty directory that transformers' from_pretrained loads: config.json,
     generation_config.json, model.safetensors, the tokenizer's files (GPT-2 BPE) and our meta.json (for
     sample.py). Returns the names of the files written."""
+    files = {"model.safetensors": tensors, "config.json": config, "generation_config.json": generation_config(config),
+             **(hf_tokenizer_files(data_meta, config["n_positions"]) or {})}
+    if data_meta is None:
+        return write_directory(directory, files)
+    # meta.json: the tokenizer, not the data
+    return write_directory(directory, files, lambda: meta.write(meta.DatasetMeta.of(data_meta.make_tokenizer()),
+                                                                directory)) + [meta.FILENAME]
+
+
+def write_directory(directory, files, extra=None):
+    """Write {file name: content} into directory, new or empty: bytes as they are, a dict of tensors as
+    safetensors, other dicts as JSON, each file atomically; then extra(), if given. Returns the names written."""
     from safetensors.torch import save
 
     if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
         raise UserError(f"{directory} already exists and is not an empty directory; pick a new one")
-    files = {"model.safetensors": lambda: save(tensors, metadata={"format": "pt"}), "config.json": config,
-             "generation_config.json": generation_config(config),
-             **(hf_tokenizer_files(data_meta, config["n_positions"]) or {})}
     try:
         os.makedirs(directory, exist_ok=True)
         for name, content in files.items():
-            content = content() if callable(content) else content
+            if name.endswith(".safetensors"):
+                content = save(content, metadata={"format": "pt"})
             with atomic_write(os.path.join(directory, name)) as f:
                 f.write(content if isinstance(content, bytes) else
                         json.dumps(content, indent=2, ensure_ascii=False).encode("utf-8"))
-        if data_meta is not None:
-            meta.write(meta.DatasetMeta.of(data_meta.make_tokenizer()), directory)  # the tokenizer, not the data
+        if extra is not None:
+            extra()
     except OSError as e:
         raise UserError(f"cannot write to {directory} ({e.strerror}); pick another directory") from None
-    return list(files) + ([meta.FILENAME] if data_meta is not None else [])
+    return list(files)

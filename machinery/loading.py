@@ -2,7 +2,8 @@
 Which trained model to use, and where: the settings that every command using a model shares (sample.py,
 eval.py, export.py, serve.py) and loading it.
 
-    --init_from=resume --out_dir=DIR [--ckpt=best|latest]   a checkpoint of train.py (ours, or nanoGPT's ckpt.pt)
+    --init_from=resume --out_dir=DIR [--ckpt=best|latest]   a checkpoint of train.py (ours, or nanoGPT's ckpt.pt; a
+                                                            LoRA run's: its base with the adapters merged in)
     --init_from=gpt2|gpt2-medium|gpt2-large|gpt2-xl|PATH     GPT-2 weights in Hugging Face's layout (convert.py)
     --meta=PATH                                             the tokenizer, for checkpoints that record none
     --device, --dtype                                       where it runs, in which precision (hardware.py)

@@ -200,16 +200,27 @@ def char_data(tmp_path, corpus_file):
     return data_dir
 
 
-@pytest.fixture(scope="module")
-def module_data(tmp_path_factory):
-    """The same dataset made once per test module (for module-scoped trained fixtures)."""
+def prepare_once(tmp_path_factory, name, tokenizer):
+    """The dataset `name` of make_corpus() in tokenizer (char or gpt2), in a new directory; returns its data_dir."""
     from prepare import prepare
 
     root = tmp_path_factory.mktemp("data")
     (root / "corpus.txt").write_text(make_corpus(), encoding="utf-8")
     with contextlib.redirect_stdout(io.StringIO()):
-        prepare(str(root / "corpus.txt"), str(root / "data" / "tiny"), "char")
+        prepare(str(root / "corpus.txt"), str(root / "data" / name), tokenizer)
     return root / "data"
+
+
+@pytest.fixture(scope="module")
+def module_data(tmp_path_factory):
+    """The same dataset made once per test module (for module-scoped trained fixtures)."""
+    return prepare_once(tmp_path_factory, "tiny", "char")
+
+
+@pytest.fixture(scope="module")
+def module_bpe_data(tmp_path_factory):
+    """bpe_data's dataset (GPT-2 BPE, named shakespeare) made once per test module."""
+    return prepare_once(tmp_path_factory, "shakespeare", "gpt2")
 
 
 @pytest.fixture
