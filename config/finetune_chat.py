@@ -1,8 +1,9 @@
 # Finetune OpenAI's GPT-2 into an assistant on conversations: the loss on the assistant's tokens only.
 # python prepare.py chat --input convs.jsonl --name mychat
 # python train.py config/finetune_chat.py --dataset=mychat
-# (on one GPU; a laptop CPU: the README's overrides, "Chat: finetune a model into an assistant"). init_from takes any GPT-2 size or
-# directory, as in finetune_shakespeare.py; the chat format's special tokens get rows of GPT-2's padded vocabulary.
+# (on one GPU; a laptop CPU: the README's overrides, in "Chat: finetune a model into an assistant"). init_from takes
+# any GPT-2 size or directory, as in finetune_shakespeare.py; the chat format's special tokens get rows of GPT-2's
+# padded vocabulary.
 
 out_dir = "out-chat"
 eval_interval = 100
