@@ -27,7 +27,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from machinery import checkpoint, configurator, conversations, convert, dataset, distributed, lora, meta, outdir
+from machinery import chat, checkpoint, configurator, conversations, convert, dataset, distributed, lora, meta, outdir
 from machinery.configurator import setting
 from machinery.dataset import DATA_DIR
 from machinery.errors import UserError, first_line, run_main
@@ -190,7 +190,8 @@ class Trainer:
         ckpt = checkpoint.load(f"{cfg.out_dir}/{checkpoint.LATEST}") if cfg.init_from == "resume" else None
         model = self._build_model(ckpt)
         # LoRA: adapters on the model, now a frozen base (a resumed LoRA run's came back with its weights)
-        self.lora = ckpt.lora_record if ckpt else lora.attach(model, cfg)
+        # (a chat format's special tokens, which GPT-2 never learned, train with the adapters)
+        self.lora = ckpt.lora_record if ckpt else lora.attach(model, cfg, chat.special_ids(self.data_meta.chat))
         self.raw_model = model.to(self.device)
         self.model_config = self.raw_model.config
         if self.dataset.check_token_ids(self.model_config.vocab_size):

@@ -78,6 +78,11 @@ def encode(tok, messages, add_generation_prompt=False):
     return ids, mask
 
 
+def special_ids(template):
+    """The ids of a chat format's special tokens (template: a dataset's chat format, or None: none)."""
+    return sorted(tokenizer(template).specials.values()) if template else []
+
+
 def stop_token():
     """The token that ends a reply."""
     return SPECIAL_TOKENS[end("assistant")]

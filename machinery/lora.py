@@ -32,7 +32,7 @@ from machinery.errors import UserError
 from model import GPT, GPT2_SIZES, GPTConfig, gpt2_weight
 
 TARGETS = {"attn": ("attn.qkv",), "proj": ("attn.proj",), "mlp": ("ffwd.fc", "ffwd.proj")}  # -> a Block's modules
-ADAPTERS = (".lora_A", ".lora_B")  # how the adapters' names end in a state dict
+ADAPTERS = (".lora_A", ".lora_B", ".token_rows")  # how the adapters' names end in a state dict
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # an adapter directory's files
 
 
@@ -98,8 +98,37 @@ class LoRALinear(nn.Module):
         return linear
 
 
-def apply(model, settings):
-    """Freeze every weight of model and put LoRALinear layers in place of the targeted ones (in place)."""
+class TrainedTokens(nn.Module):
+    """The token embedding, or the output layer tied to it, with the rows of some token ids trained (`rows`) while
+    the rest stay frozen: the special tokens of a chat format, which GPT-2 never learned (their rows start equal,
+    and a frozen copy would give each the same logit: the end of a turn could never be told apart)."""
+
+    def __init__(self, layer, ids, rows):
+        super().__init__()
+        self.weight = layer.weight  # the same Parameter: a base state dict loads as it is
+        self.embeds = isinstance(layer, nn.Embedding)
+        self.register_buffer("ids", torch.tensor(ids, device=layer.weight.device), persistent=False)
+        self.token_rows = rows  # one Parameter shared by the embedding and the output layer, as their weight is
+
+    def forward(self, x):
+        if self.embeds:  # x: token ids; a trained id takes its row
+            out = F.embedding(x, self.weight)
+            hit = (x.unsqueeze(-1) == self.ids).to(out.dtype)
+            return torch.where(hit.sum(-1, keepdim=True) > 0, hit @ self.token_rows.to(out.dtype), out)
+        logits = F.linear(x, self.weight)  # x: hidden states; the trained ids' logits from their rows
+        return logits.index_copy(-1, self.ids, F.linear(x, self.token_rows.to(x.dtype)).to(logits.dtype))
+
+
+def train_tokens(model, ids):
+    """TrainedTokens on model's token embedding and its tied output layer for ids (in place)."""
+    rows = nn.Parameter(model.tok_emb.weight.detach()[list(ids)].clone())
+    model.tok_emb = TrainedTokens(model.tok_emb, ids, rows)
+    model.lm_head = TrainedTokens(model.lm_head, ids, rows)
+
+
+def apply(model, settings, tokens=()):
+    """Freeze every weight of model and put LoRALinear layers in place of the targeted ones, and TrainedTokens for
+    the token ids `tokens` (in place)."""
     for p in model.parameters():
         p.requires_grad_(False)
     for block in model.blocks:
@@ -108,15 +137,26 @@ def apply(model, settings):
             parent = block.get_submodule(parent)
             setattr(parent, child, LoRALinear(getattr(parent, child), settings.rank, settings.alpha,
                                               settings.dropout))
+    if tokens:
+        train_tokens(model, tokens)
     return model
 
 
 def merge(model):
-    """The adapters added into their layers (LoRALinear -> nn.Linear), every weight trainable again: a plain GPT."""
+    """The adapters added into their layers (LoRALinear -> nn.Linear, trained token rows into the tied embedding),
+    every weight trainable again: a plain GPT."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, LoRALinear):
                 setattr(module, name, child.merged())
+    if isinstance(model.tok_emb, TrainedTokens):
+        with torch.no_grad():
+            weight = model.tok_emb.weight.detach().clone()
+            weight[model.tok_emb.ids] = model.tok_emb.token_rows.to(weight.dtype)
+        model.tok_emb = nn.Embedding.from_pretrained(weight, freeze=False)
+        model.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                                  dtype=weight.dtype)
+        model.lm_head.weight = model.tok_emb.weight  # tied again
     for p in model.parameters():
         p.requires_grad_(True)
     return model
@@ -135,7 +175,7 @@ def adapter_state(state):
 def load_adapters(model, record, adapters, source):
     """LoRA as a checkpoint's record says put on model (its base), the checkpoint's adapters copied in; a one-line
     error when they do not fit it. Returns model."""
-    apply(model, settings_of(record))
+    apply(model, settings_of(record), record.get("tokens", ()))
     expected = {k for k in model.state_dict() if is_adapter(k)}
     if set(adapters) != expected:
         odd = sorted(set(adapters) ^ expected)
@@ -172,9 +212,10 @@ def fingerprint(model):
     return digest.hexdigest()
 
 
-def attach(model, cfg):
+def attach(model, cfg, tokens=()):
     """LoRA on a new run's model (built from cfg.init_from, on the CPU) when cfg asks for it: the base checked in,
-    adapters applied. Returns what the checkpoint records (settings and base), or None without LoRA."""
+    adapters applied, and the rows of the token ids `tokens` trained too (a chat format's special tokens). Returns
+    what the checkpoint records (settings, base, tokens), or None without LoRA."""
     settings = LoRASettings.of(cfg)
     if settings is None:
         return None
@@ -183,8 +224,8 @@ def attach(model, cfg):
     else:  # GPT-2 weights: a size from the Hugging Face cache, or a directory (absolute: found from anywhere)
         base = {"init_from": cfg.init_from if cfg.init_from in GPT2_SIZES else os.path.abspath(cfg.init_from)}
     base["sha256"] = fingerprint(model)
-    apply(model, settings)
-    return {**asdict(settings), "targets": list(settings.targets), "base": base}
+    apply(model, settings, tokens)
+    return {**asdict(settings), "targets": list(settings.targets), "base": base, "tokens": list(tokens)}
 
 
 def settings_of(record):
@@ -207,6 +248,8 @@ def build_base(record, model_config, source):
             raise UserError(f"{source} holds LoRA adapters for the base {name}, which does not load: {e}") from None
         if model_config.block_size < model.config.block_size:  # finetuned with a cropped context
             model.crop_block_size(model_config.block_size)
+        if model_config.vocab_size > model.config.vocab_size:  # padded for a chat format's tokens, as in training
+            convert.grow_vocab(model, model_config.vocab_size)
     if fingerprint(model) != base["sha256"]:
         raise UserError(f"{source} holds LoRA adapters for the base {name}, but the weights found there now differ "
                         f"from those it was trained on (sha256); restore that base")
@@ -252,6 +295,9 @@ def peft_files(record, adapters, model_config):
     if base == "scratch":
         raise UserError("the base of these adapters is a new model (init_from=scratch), which no Hugging Face "
                         "directory holds; export the merged model instead (drop --adapter_only)")
+    if record.get("tokens"):
+        raise UserError("these adapters come with trained rows of the chat format's special tokens, which PEFT's "
+                        "LoRA on GPT-2 cannot carry; export the merged model instead (drop --adapter_only)")
     tensors = {}
     for key, tensor in adapters.items():
         name, _ = gpt2_weight(key, tensor, to_gpt2=True, conv1d=False)  # A, B: (rank, in), (out, rank) in both

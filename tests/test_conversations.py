@@ -341,6 +341,40 @@ def test_finetune_chat_preset_from_gpt2_grows_the_vocabulary_for_the_special_tok
     assert load_checkpoint(tmp_path / "out" / "ckpt.pt")["model"]["tok_emb.weight"].shape == (50304, 32)
 
 
+def test_lora_on_chat_data_trains_the_special_tokens_rows_and_loads_them_merged(tmp_path, chat_dir, hf_dir):
+    """With LoRA the embedding is frozen, but the chat format's tokens (rows that start equal: each would get the
+    same logit, and the end of a turn could never be told apart) train with the adapters."""
+    import export
+    from machinery import checkpoint, lora
+
+    path, hf = hf_dir
+    out = tmp_path / "out"
+    train(ROOT / "config" / "finetune_chat.py", f"--init_from={path}", f"--data_dir={chat_dir}", "--dataset=tinychat",
+          f"--out_dir={out}", "--device=cpu", "--dtype=float32", "--compile=False", "--block_size=32",
+          "--batch_size=2", "--gradient_accumulation_steps=1", "--max_iters=3", "--eval_interval=3",
+          "--eval_iters=1", "--warmup_iters=1", "--lr_decay_iters=3", "--learning_rate=1e-2", "--lora_rank=4")
+    ckpt = checkpoint.load(str(out / checkpoint.LATEST))
+    special = sorted(chat.SPECIAL_TOKENS.values())
+    assert ckpt.lora_record["tokens"] == special and ckpt.adapters["tok_emb.token_rows"].shape == (6, 32)
+    merged = ckpt.build_model().eval()
+    emb, wte = merged.tok_emb.weight.detach(), hf.transformer.wte.weight.detach()
+    assert merged.lm_head.weight is merged.tok_emb.weight
+    assert torch.equal(emb[:50257], wte)  # GPT-2's rows frozen
+    torch.testing.assert_close(emb[special[-1] + 1:], wte.mean(0).expand(50304 - special[-1] - 1, -1))  # unused
+    assert torch.equal(emb[special], ckpt.adapters["tok_emb.token_rows"])
+    assert all(not torch.allclose(emb[i], wte.mean(0)) for i in special)  # trained away from their start
+    # the merged model computes what the adapters on the base do (the rows in both the input and the output)
+    unmerged = lora.load_adapters(lora.build_base(ckpt.lora_record, ckpt.model_config, "x"), ckpt.lora_record,
+                                  ckpt.adapters, "x").eval()
+    ids, _ = chat.encode(TOKENIZER, conversation(0))
+    x = torch.tensor([ids[:32]])
+    with torch.no_grad():
+        torch.testing.assert_close(unmerged(x, x)[0], merged(x, x)[0], atol=1e-5, rtol=0)
+    proc = run_in_process(export.main, f"--out_dir={out}", "--ckpt=latest", "--adapter_only", tmp_path / "ad")
+    assert_one_error_line(proc, "special tokens", "--adapter_only")
+    assert not (tmp_path / "ad").exists()
+
+
 def test_two_ddp_ranks_on_chat_data_equal_one_process(tmp_path, chat_dir):
     """2 gloo ranks, each on 2 of a step's 4 micro-batches (tests/dist_worker.py's shared stream), against one
     process on all 4: the targets are counted over both ranks (a rank's own count would give another gradient)."""
