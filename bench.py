@@ -49,7 +49,7 @@ same steps on a synthetic conversational task (full or LoRA, the loss on the ass
 model's held-out exact-match accuracy, share of replies ending with <|assistant_end|> and masked loss, as a
 markdown table. See machinery/bench_chat.py.
 
-    python bench.py --mode=chat [--chat_pretrain=task|text] [--chat_pretrain_iters=300] [--chat_sft_iters=200]
+    python bench.py --mode=chat [--chat_pretrain=task|text] [--chat_pretrain_iters=150] [--chat_sft_iters=100]
 
 Every train.py setting is a setting here too, so training config files work as they are;
 vocab_size defaults to the configured dataset's when it has been prepared. Each figure is the
@@ -114,10 +114,10 @@ class BenchConfig(TrainConfig):
     chat_pretrain: str = setting("task", "mode=chat: the base model's pretraining text: task (the training "
                                          "conversations as plain text, without roles or special tokens) or text "
                                          "(text_source)")
-    chat_pretrain_iters: int = setting(300, "mode=chat: steps of pretraining the base model")
-    chat_sft_iters: int = setting(200, "mode=chat: steps of each finetuning on the conversations")
+    chat_pretrain_iters: int = setting(150, "mode=chat: steps of pretraining the base model")
+    chat_sft_iters: int = setting(100, "mode=chat: steps of each finetuning on the conversations")
     chat_train: int = setting(4000, "mode=chat: training conversations generated")
-    chat_heldout: int = setting(100, "mode=chat: held-out conversations generated (2 or 3 replies each)")
+    chat_heldout: int = setting(50, "mode=chat: held-out conversations generated (2 or 3 replies each)")
 
     def validate(self):
         super().validate()

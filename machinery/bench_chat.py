@@ -20,7 +20,7 @@ replies exactly equal to the expected one, the share that end with <|assistant_e
 cross-entropy over the assistant's tokens of the held-out conversations (what masked finetuning minimises).
 The figures are in BENCHMARKS.md.
 
-    python bench.py --mode=chat [--chat_pretrain=task|text] [--chat_sft_iters=200] [--n_layer=4 --n_embd=128]
+    python bench.py --mode=chat [--chat_pretrain=task|text] [--chat_sft_iters=100] [--n_layer=4 --n_embd=128]
 """
 
 import json
