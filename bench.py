@@ -44,6 +44,13 @@ and llama.cpp's q8_0. See machinery/bench_serve.py.
 
     python bench.py --mode=serve [--clients=1,8,32] [--serve_tokens=100] [--dtype=auto] [--device=cuda] [--out_dir=DIR --text=FILE]
 
+mode=chat: chat finetuning shown to work: a small GPT-2 BPE model pretrained on text_source, then finetuned at the
+same steps on a synthetic conversational task (full or LoRA, the loss on the assistant's tokens or on all), each
+model's held-out exact-match accuracy, share of replies ending with <|assistant_end|> and masked loss, as a
+markdown table. See machinery/bench_chat.py.
+
+    python bench.py --mode=chat [--chat_pretrain=task|text] [--chat_pretrain_iters=150] [--chat_sft_iters=100]
+
 Every train.py setting is a setting here too, so training config files work as they are;
 vocab_size defaults to the configured dataset's when it has been prepared. Each figure is the
 median of `repeats` measurements taken after `warmup` unmeasured ones.
@@ -60,6 +67,7 @@ import numpy as np
 import torch
 
 from machinery import configurator, dataset, meta
+from machinery.bench_chat import bench_chat
 from machinery.bench_faults import bench_faults
 from machinery.bench_prepare import bench_prepare
 from machinery.bench_runs import NANOGPT_RECIPES, bench_beside_nanogpt, bench_speedrun, check_nanogpt
@@ -75,8 +83,9 @@ from train import TrainConfig, Trainer
 class BenchConfig(TrainConfig):
     mode: str = setting("sample", "sample (generation with and without the KV cache), train (one training step), "
                                "speedrun (whole train.py runs), prepare (corpus preparation), serve (serve.py "
-                               "under load; batch-1 decoding against transformers) or faults (serve.py against "
-                               "long prompts, clients that stop reading or hang up)")
+                               "under load; batch-1 decoding against transformers), faults (serve.py against "
+                               "long prompts, clients that stop reading or hang up) or chat (chat finetuning, "
+                               "four ways, on a synthetic task)")
     warmup: int = setting(1, "unmeasured runs (sample) or iterations (train) before the measured ones (compilation, "
                              "caches)")
     repeats: int = setting(3, "measured runs or iterations; the median is reported")
@@ -93,20 +102,31 @@ class BenchConfig(TrainConfig):
                              "directory of JSON lines / parquet with a text field); empty: a synthetic one")
     corpus_mb: int = setting(500, "mode=prepare without --input: MiB of synthetic JSON lines to write first")
     text_source: str = setting("../shared/data/tinyshakespeare/input.txt", "mode=prepare: the text the "
-                                                                          "synthetic corpus is cut from")
+                                                                          "synthetic corpus is cut from; mode=chat "
+                                                                          "with chat_pretrain=text: the text the base "
+                                                                          "model is pretrained on")
     num_proc: int = setting(0, "mode=prepare: prepare's processes and tiktoken's threads (0: every core)")
     shard_tokens: int = setting(0, "mode=prepare: tokens per shard (0: prepare.py's 100M)")
     clients: str = setting("1,8,32", "mode=serve: numbers of concurrent streaming clients, comma-separated")
     serve_tokens: int = setting(100, "mode=serve: tokens each request generates")
     text: str = setting("", "mode=serve: a held-out UTF-8 text: bits per byte on it of the trained GPT-2 BPE model "
                             "in out_dir, float32, int8 and llama.cpp's q8_0 (empty: not measured)")
+    chat_pretrain: str = setting("task", "mode=chat: the base model's pretraining text: task (the training "
+                                         "conversations as plain text, without roles or special tokens) or text "
+                                         "(text_source)")
+    chat_pretrain_iters: int = setting(150, "mode=chat: steps of pretraining the base model")
+    chat_sft_iters: int = setting(100, "mode=chat: steps of each finetuning on the conversations")
+    chat_train: int = setting(4000, "mode=chat: training conversations generated")
+    chat_heldout: int = setting(50, "mode=chat: held-out conversations generated (2 or 3 replies each)")
 
     def validate(self):
         super().validate()
-        if self.mode not in ("sample", "train", "speedrun", "prepare", "serve", "faults"):
-            raise UserError(f"mode must be sample, train, speedrun, prepare, serve or faults, got {self.mode!r}")
+        if self.mode not in ("sample", "train", "speedrun", "prepare", "serve", "faults", "chat"):
+            raise UserError(f"mode must be sample, train, speedrun, prepare, serve, faults or chat, got {self.mode!r}")
         if not all(c.strip().isdigit() and int(c) > 0 for c in self.clients.split(",")):
             raise UserError(f"clients must be positive numbers separated by commas, got {self.clients!r}")
+        if self.chat_pretrain not in ("task", "text"):
+            raise UserError(f"chat_pretrain must be task or text, got {self.chat_pretrain!r}")
         if self.recipe not in NANOGPT_RECIPES:
             raise UserError(f"recipe must be cpu or gpu, got {self.recipe!r}")
         if self.nanogpt and self.mode not in ("train", "speedrun"):
@@ -122,7 +142,8 @@ class BenchConfig(TrainConfig):
         for name in ("num_proc", "shard_tokens"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("repeats", "max_new_tokens", "prompt_len", "corpus_mb", "serve_tokens"):
+        for name in ("repeats", "max_new_tokens", "prompt_len", "corpus_mb", "serve_tokens", "chat_pretrain_iters",
+                     "chat_sft_iters", "chat_train", "chat_heldout"):
             if getattr(self, name) <= 0:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
         if self.prompt_len > self.block_size:
@@ -231,15 +252,26 @@ def bench_step(cfg, workdir):
     return statistics.median(times)
 
 
+def commands():
+    """The commands mode=chat runs as a user would: their main(argv), by script."""
+    import export
+    import prepare
+    import train
+
+    return {"prepare.py": prepare.main, "train.py": train.main, "export.py": export.main}
+
+
 def main(argv=None):
     cfg = configurator.parse(BenchConfig, argv, usage="python bench.py [config/FILE.py ...] [--key=value ...] "
-                                                      "--mode=sample|train|speedrun|prepare|serve|faults")
+                                                      "--mode=sample|train|speedrun|prepare|serve|faults|chat")
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
         if cfg.mode == "speedrun":
             return bench_speedrun(cfg, workdir, TrainConfig)
+        if cfg.mode == "chat":
+            return bench_chat(cfg, workdir, commands())
         return {"sample": bench_sample, "train": bench_train, "prepare": bench_prepare,
                 "serve": bench_serve, "faults": bench_faults}[cfg.mode](cfg, workdir)
 

@@ -13,10 +13,10 @@ import torch
 
 import bench
 from conftest import ROOT, assert_one_error_line, make_corpus, run_in_process
-from machinery import bench_prepare, bench_runs, configurator, meta
+from machinery import bench_chat, bench_prepare, bench_runs, chat, configurator, meta
 from machinery.configurator import UserError
 from machinery.tokenizer import gpt2_encoding
-from model import GPT
+from model import GPT, GPTConfig
 
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--device=cpu", "--warmup=1", "--repeats=3"]
 
@@ -76,7 +76,9 @@ def test_train_mode_reads_a_training_config_file(capsys, monkeypatch):
         [("median", "500.0", "64", "-"), ("min", "250.0", "128", "-"), ("max", "1000.0", "32", "-")]
 
 
-@pytest.mark.parametrize("arg,message", [("--mode=fast", "mode must be sample, train, speedrun, prepare, serve or faults, got 'fast'"),
+@pytest.mark.parametrize("arg,message", [("--mode=fast", "mode must be sample, train, speedrun, prepare, "
+                                                        "serve, faults or chat, got 'fast'"),
+                                         ("--chat_sft_iters=0", "chat_sft_iters must be positive"),
                                          ("--prompt_len=17", "prompt_len .17. must be at most block_size"),
                                          ("--num_proc=-1", "num_proc must not be negative"),
                                          ("--corpus_mb=0", "corpus_mb must be positive"),
@@ -339,3 +341,105 @@ def test_speedrun_mode_runs_the_recipe_through_nanogpts_train_py_too(capsys, mon
     assert [(name, wall) for name, wall, _ in rows] == [("speedrun", "3.0"), ("recipe, our train.py", "8.0"),
                                                        ("recipe, nanoGPT's train.py", "14.0")]
     assert rows[2][2] == "20.00"  # ms/iter: steps 1-3 (warmup 1)
+
+
+# ---------------------------------------------------------------------- chat finetuning (issue 28)
+
+# the replies the task's questions ask for, written out here: W is the list as the user gave it
+COUNT = {0: "None.", 1: "One.", 2: "Two.", 3: "Three."}
+REPLIES = {"How many of them are animals?": lambda w: COUNT[len(set(w) & set(bench_chat.ANIMALS))],
+           "Is the first word an animal?": lambda w: "Yes." if w[0] in bench_chat.ANIMALS else "No.",
+           "Is the last word an animal?": lambda w: "Yes." if w[2] in bench_chat.ANIMALS else "No.",
+           "Which word came first?": lambda w: f"The first word is {w[0]}."}
+
+
+def listed_words(messages):
+    """The words of a conversation's list, as its first user message gives them."""
+    return re.fullmatch(r"Here are some words: ([a-z ]+)\. .*", messages[1]["content"])[1].split()
+
+
+def test_the_chat_task_holds_out_word_sets_never_trained_on():
+    train, heldout = bench_chat.make_task(seed=5, n_train=600, n_heldout=150)
+    assert (train, heldout) == bench_chat.make_task(seed=5, n_train=600, n_heldout=150)  # from the seed alone
+    assert bench_chat.make_task(seed=6, n_train=600, n_heldout=150)[1] != heldout
+    trained = {frozenset(listed_words(messages)) for messages in train}
+    # the base model's pretraining text: the training conversations' contents, line by line, and nothing else
+    text = "\n\n".join("\n".join(m["content"] for m in messages[1:]) for messages in train[:2]) + "\n"
+    assert bench_chat.plain_text(train[:2]) == text
+    held = {frozenset(listed_words(messages)) for messages in heldout}
+    assert len(held) == 150 and not held & trained  # distinct, and none of them ever trained on
+    tok, enc = chat.tokenizer(), gpt2_encoding()
+    assert all(len(enc.encode_ordinary(" " + word)) == 1 for word in bench_chat.WORDS)  # a word is a token
+    assert len(set(bench_chat.ANIMALS)) == len(set(bench_chat.THINGS)) == 25 and len(set(bench_chat.WORDS)) == 50
+    kinds = set()
+    for messages in train + heldout:
+        words = listed_words(messages)
+        assert len(words) == 3 and len(set(words)) == 3
+        assert messages[0] == {"role": "system", "content": bench_chat.SYSTEM}
+        turns = list(zip(messages[1::2], messages[2::2]))
+        assert len(turns) in (2, 3) and len(messages) == 1 + 2 * len(turns)
+        asked = [user["content"].removeprefix(f"Here are some words: {' '.join(words)}. ") for user, _ in turns]
+        assert len(set(asked)) == len(asked)  # a question once a conversation
+        assert [(user["role"], reply["role"]) for user, reply in turns] == [("user", "assistant")] * len(turns)
+        assert [reply["content"] for _, reply in turns] == [REPLIES[q](words) for q in asked]
+        assert len(chat.encode(tok, messages)[0]) <= 128  # within the benchmark's block_size
+        kinds |= {(len(words), i > 0, q) for i, q in enumerate(asked)}
+    # every question, in the first turn and in later ones
+    assert kinds == {(3, later, q) for later in (False, True) for q in REPLIES}
+
+
+def test_the_masked_loss_is_the_mean_over_every_assistant_token(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=128, vocab_size=50304)).eval()
+    tok = chat.tokenizer()
+    conversations = bench_chat.make_task(seed=1, n_train=0, n_heldout=3)[1]  # of different lengths: padded
+    bench_chat.write_jsonl(conversations, tmp_path / "heldout.jsonl")
+    split = bench_chat.heldout_split(str(tmp_path / "heldout.jsonl"), tok)
+    total, count = 0.0, 0
+    for messages in conversations:  # each alone: -log p of each assistant token (content and end), written out
+        ids, mask = chat.encode(tok, messages)
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([ids]), every_position=True)
+        logp = torch.log_softmax(logits[0].double(), dim=-1)
+        for t in range(1, len(ids)):
+            if mask[t]:
+                total, count = total - logp[t - 1, ids[t]].item(), count + 1
+    assert count == sum(len(tok.encode(m["content"])) + 1 for c in conversations for m in c
+                        if m["role"] == "assistant")
+    assert bench_chat.masked_loss(model, split, "cpu", batch_size=2) == \
+        pytest.approx(total / count, rel=1e-5)  # (float32 logits against float64 sums)
+
+
+def test_chat_mode_runs_end_to_end(capsys):
+    threads = torch.get_num_threads()
+    try:  # (one thread: a tiny model's small operations run faster alone on 2 cores that other jobs share)
+        results = bench.main(["--mode=chat", "--chat_pretrain_iters=1",
+                              "--chat_sft_iters=1", "--chat_train=40", "--chat_heldout=2", "--n_layer=1",
+                              "--n_head=2", "--n_embd=8", "--batch_size=1", "--eval_iters=1", "--device=cpu",
+                              "--dtype=float32", "--threads=1"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert [(r.name, r.lora, r.loss_on, r.steps) for r in results] == [
+        ("pretrained, no finetuning", False, "-", 1), ("full", False, "assistant", 1),
+        ("full, all tokens", False, "all", 1), ("LoRA", True, "assistant", 1), ("LoRA, all tokens", True, "all", 1)]
+    # each model answered every assistant turn of the 2 held-out conversations
+    replies = sum(len(m) // 2 for m in bench_chat.make_task(1337, 40, 2)[1])
+    counted = re.findall(r"^(.+): (\S+)% of (\d+) held-out replies exact, (\S+)% end with", out, re.M)
+    assert [(name, int(n)) for name, _, n, _ in counted] == [(r.name, replies) for r in results]
+    assert all(0 <= r.accuracy <= 1 and 0 <= r.ended <= 1 and r.loss > 0 for r in results)
+    assert results[0].accuracy == 0  # a model of one step cannot answer
+    assert all(set(r.by_question) <= set(bench_chat.QUESTIONS) for r in results)
+    # the runs, as a user types them
+    assert len(re.findall(r"^\$ python train.py .*--init_from=\S+pretrained-hf --dataset=chat", out, re.M)) == 4
+    assert re.search(r"^\$ python train.py .*--lora_rank=8 .*--chat_loss=all", out, re.M)
+    table = out[out.index("command: `python bench.py"):]
+    assert "--mode=chat" in table.splitlines()[0] and "torch " + torch.__version__ in table.splitlines()[1]
+    rows = re.findall(r"^\| (.+?) \| (\S+) \| (\d+) \| \d+ s \| (\S+)% \| (\S+)% \| (\S+) \|$", table, re.M)
+    assert [(name, on, int(steps), float(loss)) for name, on, steps, _, _, loss in rows] == \
+        [(r.name, r.loss_on, r.steps, round(r.loss, 4)) for r in results]
+
+
+def test_chat_mode_without_its_text_is_one_line(tmp_path):
+    proc = run_in_process(bench.main, "--mode=chat", "--chat_pretrain=text", f"--text_source={tmp_path / 'none.txt'}")
+    assert_one_error_line(proc, "--text_source", "none.txt")
