@@ -353,7 +353,7 @@ def taught_chat_dir(tmp_path_factory):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if loss.item() < 1e-3:
+        if loss.item() < 0.01:  # each taught token at probability ~0.99: greedy decoding gives it (~60 steps)
             break
     out = tmp_path_factory.mktemp("chat") / "taught"
     out.mkdir()
