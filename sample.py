@@ -132,10 +132,7 @@ def print_samples(cfg, runner, tokenizer, prompt, ids):
                for i in range(cfg.num_samples)]
     if cfg.stream:
         print(prompt, end="", flush=True)
-    while not all(s.done for s in samples):
-        runner.step()
-        while cfg.stream and (token := samples[0].next_event(timeout=0)) is not None:
-            print(token.text, end="", flush=True)
+    runner.run(samples, (lambda text: print(text, end="", flush=True)) if cfg.stream else None)
     for i, sample in enumerate(samples):
         print("" if cfg.stream and i == 0 else prompt + sample.text.text)
         print("---------------")

@@ -105,17 +105,12 @@ def converse(cfg, runner, tokenizer, read=input, out=None):
 def reply(runner, request, stream, out):
     """Generate one reply, printed as it comes (stream) or whole; return its text. Ctrl-C stops it there."""
     generation = runner.submit(request)
+    show = (lambda text: print(text, end="", flush=True, file=out)) if stream else None
     try:
-        while not generation.done:
-            runner.step()
-            while stream and (token := generation.next_event(timeout=0)) is not None:
-                print(token.text, end="", flush=True, file=out)
+        runner.run([generation], show)
     except KeyboardInterrupt:
         generation.cancel()
-        while not generation.done:
-            runner.step()
-    while stream and (token := generation.next_event(timeout=0)) is not None:
-        print(token.text, end="", file=out)
+        runner.run([generation], show)
     print("" if stream else generation.text.text, file=out, flush=True)
     if generation.finish_reason == "length":
         print(f"note: the reply was cut at {generation.completion_tokens} tokens (max_new_tokens, or the end of "
