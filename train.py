@@ -16,7 +16,6 @@ learning-rate schedule is optimizers.get_lr, a function of the step and the sett
 what a checkpoint records, checkpoint.training_state and resume_state.
 """
 
-import gc
 import math
 import os
 import random
@@ -160,10 +159,7 @@ def main(argv=None):
         trainer.train()
         finished = True
     finally:
-        # free the model (and DDP's reducer, which uses the process group) before leaving the group: it sits
-        # in a reference cycle, and destroyed later, at exit, it aborted 3 of 60 2-rank gloo runs (0 of 60 so)
-        del trainer
-        gc.collect()
+        del trainer  # (before leaving the process group: see distributed.teardown)
         distributed.teardown(finished)
 
 

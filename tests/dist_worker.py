@@ -23,6 +23,7 @@ Settings (under torchrun through the environment, which torchrun passes on to ev
                   float64 rounding only (with dtype=float32 nothing is autocast)
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -32,11 +33,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group  # noqa: E402
 
 from machinery.errors import UserError, run_main  # noqa: E402
 import train  # noqa: E402
@@ -136,30 +137,36 @@ def instrumented_trainer(instruments):
 
 def instrumented_run(argv, instruments):
     """train.main(argv) with the instruments in place (restored afterwards); returns the instruments."""
-    trainer_class, real = instrumented_trainer(instruments), (train.Trainer, torch.nn.utils.clip_grad_norm_,
-                                                              fsdp_param_group.foreach_reduce)
+    real_clip = torch.nn.utils.clip_grad_norm_
+
     def clip_grad_norm_(parameters, max_norm, **kwargs):
         """torch.nn.utils.clip_grad_norm_, also recording the norm before clipping."""
-        norm = real[1](parameters, max_norm, **kwargs)
+        norm = real_clip(parameters, max_norm, **kwargs)
         full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
         instruments.grad_norms.append(full.item())
         return norm
 
-    def foreach_reduce(*args, **kwargs):
-        """FSDP's gradient reduce-scatter of one parameter group (skipped under requires_gradient_sync=False)."""
-        instruments.exchanges[instruments.step] += 1
-        return real[2](*args, **kwargs)
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(train, "Trainer", instrumented_trainer(instruments)))
+        patches.enter_context(mock.patch.object(torch.nn.utils, "clip_grad_norm_", clip_grad_norm_))
+        if "--parallel=fsdp" in argv:  # (only then: importing FSDP's module costs a worker ~1 s of start-up)
+            import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
+            real_reduce = fsdp_param_group.foreach_reduce
 
-    train.Trainer, torch.nn.utils.clip_grad_norm_, fsdp_param_group.foreach_reduce = \
-        trainer_class, clip_grad_norm_, foreach_reduce
-    default_dtype = torch.get_default_dtype()
-    if instruments.float64:
-        torch.set_default_dtype(torch.float64)
-    try:
-        train.main(argv)
-    finally:
-        train.Trainer, torch.nn.utils.clip_grad_norm_, fsdp_param_group.foreach_reduce = real
-        torch.set_default_dtype(default_dtype)
+            def foreach_reduce(*args, **kwargs):
+                """FSDP's gradient reduce-scatter of one parameter group (skipped under
+                requires_gradient_sync=False)."""
+                instruments.exchanges[instruments.step] += 1
+                return real_reduce(*args, **kwargs)
+
+            patches.enter_context(mock.patch.object(fsdp_param_group, "foreach_reduce", foreach_reduce))
+        default_dtype = torch.get_default_dtype()
+        if instruments.float64:
+            torch.set_default_dtype(torch.float64)
+        try:
+            train.main(argv)
+        finally:
+            torch.set_default_dtype(default_dtype)
     return instruments
 
 

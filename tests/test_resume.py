@@ -120,9 +120,11 @@ def test_wandb_offline_and_a_resumed_run_continues_the_wandb_run(tmp_path, char_
     assert isinstance(run_id, str) and run_id
     train(*tiny_train_args(char_data, out, max_iters=5, wandb_log=True, wandb_project="test", init_from="resume"))
     assert load_checkpoint(out / "ckpt.pt")["wandb_run_id"] == run_id
-    # wandb names each (offline) run's directory after the run id: both runs wrote to the same id
+    # wandb names each (offline) run's directory after its start time and the run id (with "-1" added when both
+    # started within the same second): both runs wrote to the same id
     runs = sorted((wandb_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(run.name.endswith("-" + run_id) for run in runs), runs
+    assert len(runs) == 2, runs
+    assert all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", run.name) for run in runs), runs
     assert all(list(run.glob("*.wandb")) for run in runs)  # each run's log, to sync later with `wandb sync`
 
 
