@@ -23,6 +23,13 @@ adapter_model.safetensors, named by GPT-2's modules, which peft puts on the base
     python export.py --out_dir=out-lora --adapter_only lora-adapter
     PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained("gpt2"), "lora-adapter")
 
+A chat LoRA run also trains its format's special tokens' embedding rows: they go in as PEFT's trainable tokens
+(trainable_token_indices), with the tokenizer that has them and the chat template; grow the base to it first:
+
+    tokenizer = AutoTokenizer.from_pretrained("lora-adapter")
+    base = GPT2LMHeadModel.from_pretrained("gpt2"); base.resize_token_embeddings(len(tokenizer))
+    PeftModel.from_pretrained(base, "lora-adapter")
+
 Its base_model_name_or_path names the base as the run did: openai-community/gpt2 (...-xl) for --init_from=gpt2
 (...), the absolute path of a Hugging Face directory for --init_from=DIR. A base of our own: export it (--to=hf),
 train from that directory.
@@ -78,8 +85,14 @@ def main(argv=None):
         ckpt = checkpoint.load(checkpoint.find(cfg.out_dir, cfg.ckpt))
         adapters = ckpt.adapters  # (a whole model's checkpoint has none: one line)
         config, tensors = lora.peft_files(ckpt.lora_record, adapters, ckpt.model_config)
-        written = convert.write_directory(dests[0], {lora.PEFT_CONFIG: config, lora.PEFT_WEIGHTS: tensors})
-        print(f"wrote {dests[0]}: {', '.join(written)} from {ckpt.path} (base: {config['base_model_name_or_path']})")
+        files = {lora.PEFT_CONFIG: config, lora.PEFT_WEIGHTS: tensors}
+        if config["trainable_token_indices"]:  # a chat format's tokens: the tokenizer that has them, and its template
+            files.update(convert.hf_tokenizer_files(ckpt.data_meta, ckpt.model_config.block_size))
+        written = convert.write_directory(dests[0], files)
+        grow = (f"; grow the base's vocabulary to the tokenizer's first: base.resize_token_embeddings(len("
+                f"AutoTokenizer.from_pretrained('{dests[0]}')))" if config["trainable_token_indices"] else "")
+        print(f"wrote {dests[0]}: {', '.join(written)} from {ckpt.path} (base: {config['base_model_name_or_path']}"
+              f"{grow})")
         return
     if cfg.to == "gguf":
         gguf_export.import_gguf()  # before loading anything

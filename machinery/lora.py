@@ -289,19 +289,24 @@ def resume_settings(record, cfg, source):
 
 def peft_files(record, adapters, model_config):
     """adapter_config.json (a dict) and adapter_model.safetensors (tensors) in PEFT's format for Hugging Face's
-    GPT2LMHeadModel: GPT-2's module names (c_attn, c_proj, c_fc; Conv1D: fan_in_fan_out), peft's key naming."""
+    GPT2LMHeadModel: GPT-2's module names (c_attn, c_proj, c_fc; Conv1D: fan_in_fan_out), peft's key naming; trained
+    chat-token rows as PEFT's trainable tokens on the embedding (its `trainable_token_indices`: the full rows, which
+    peft ties to the output layer as our TrainedTokens does)."""
     convert.check_gpt2_format(model_config)  # (GPT-2's modules must be able to take the adapters)
     base = record["base"]["init_from"]
     if base == "scratch":
         raise UserError("the base of these adapters is a new model (init_from=scratch), which no Hugging Face "
                         "directory holds; export the merged model instead (drop --adapter_only)")
-    if record.get("tokens"):
-        raise UserError("these adapters come with trained rows of the chat format's special tokens, which PEFT's "
-                        "LoRA on GPT-2 cannot carry; export the merged model instead (drop --adapter_only)")
+    tokens = list(record.get("tokens") or ())
     tensors = {}
     for key, tensor in adapters.items():
+        if key.endswith(".token_rows"):  # (the embedding's and the output layer's: one Parameter)
+            continue
         name, _ = gpt2_weight(key, tensor, to_gpt2=True, conv1d=False)  # A, B: (rank, in), (out, rank) in both
         tensors[f"base_model.model.{name}.weight"] = tensor.contiguous()
+    if tokens:
+        tensors["base_model.model.transformer.wte.token_adapter.trainable_tokens_delta"] = \
+            adapters["tok_emb.token_rows"].float().contiguous()
     # the targets as GPT-2's module suffixes (attn.c_proj, not c_proj: the MLP has a c_proj too)
     modules = [gpt2_weight(f"blocks.0.{m}.weight", None, to_gpt2=True, conv1d=False)[0]
                for m in settings_of(record).modules]
@@ -314,5 +319,6 @@ def peft_files(record, adapters, model_config):
         "target_modules": [m.removeprefix("transformer.h.0.").removesuffix(".weight") for m in modules],
         "fan_in_fan_out": True, "bias": "none", "inference_mode": True, "init_lora_weights": True,
         "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "trainable_token_indices": tokens or None,
     }
     return config, tensors

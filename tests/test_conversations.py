@@ -341,7 +341,7 @@ def test_finetune_chat_preset_from_gpt2_grows_the_vocabulary_for_the_special_tok
     assert load_checkpoint(tmp_path / "out" / "ckpt.pt")["model"]["tok_emb.weight"].shape == (50304, 32)
 
 
-def test_lora_on_chat_data_trains_the_special_tokens_rows_and_loads_them_merged(tmp_path, chat_dir, hf_dir):
+def test_lora_on_chat_data_trains_the_special_tokens_rows_merged_on_load_and_as_peft_s_trainable_tokens(tmp_path, chat_dir, hf_dir):
     """With LoRA the embedding is frozen, but the chat format's tokens (rows that start equal: each would get the
     same logit, and the end of a turn could never be told apart) train with the adapters."""
     import export
@@ -370,9 +370,28 @@ def test_lora_on_chat_data_trains_the_special_tokens_rows_and_loads_them_merged(
     x = torch.tensor([ids[:32]])
     with torch.no_grad():
         torch.testing.assert_close(unmerged(x, x)[0], merged(x, x)[0], atol=1e-5, rtol=0)
-    proc = run_in_process(export.main, f"--out_dir={out}", "--ckpt=latest", "--adapter_only", tmp_path / "ad")
-    assert_one_error_line(proc, "special tokens", "--adapter_only")
-    assert not (tmp_path / "ad").exists()
+    # --adapter_only: the rows as PEFT's trainable tokens, with the tokenizer that has them; peft on the base grown to
+    # that tokenizer computes what the merged export does (its first 50263 logits: ours has 41 padding rows more)
+    from peft import PeftModel
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    run_in_process(export.main, f"--out_dir={out}", "--ckpt=latest", tmp_path / "merged", check=True)
+    proc = run_in_process(export.main, f"--out_dir={out}", "--ckpt=latest", "--adapter_only", tmp_path / "ad",
+                          check=True)
+    assert "base.resize_token_embeddings(len(" in proc.stdout
+    assert json.loads((tmp_path / "ad" / "adapter_config.json").read_text())["trainable_token_indices"] == special
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "ad")
+    assert len(tokenizer) == 50257 + 6
+    assert tokenizer.convert_tokens_to_ids(list(chat.SPECIAL_TOKENS)) == list(chat.SPECIAL_TOKENS.values())
+    base = GPT2LMHeadModel.from_pretrained(path)
+    base.resize_token_embeddings(len(tokenizer))
+    with_peft = PeftModel.from_pretrained(base, tmp_path / "ad").eval()
+    with torch.no_grad():
+        expected = with_peft(x).logits[..., :len(tokenizer)]
+        text = x[x < 50257][None]  # (the base has no chat tokens)
+        assert (with_peft(text).logits[..., :50257] - hf(text).logits).abs().max() > 1e-2  # the adapters matter
+        merged_hf = GPT2LMHeadModel.from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(merged_hf(x).logits[..., :len(tokenizer)], expected, atol=1e-5, rtol=0)
 
 
 def test_two_ddp_ranks_on_chat_data_equal_one_process(tmp_path, chat_dir):
