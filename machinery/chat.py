@@ -88,10 +88,14 @@ def stop_token():
     return SPECIAL_TOKENS[end("assistant")]
 
 
-def jinja_template():
-    """The format as a Hugging Face chat template (tokenizer_config.json's chat_template): apply_chat_template gives
-    encode's ids, and its {% generation %} block return_assistant_tokens_mask's mask."""
-    return ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}"
-            "<|assistant_start|>{% generation %}{{ message['content'] }}<|assistant_end|>{% endgeneration %}"
-            "{% else %}{{ '<|' + message['role'] + '_start|>' + message['content'] + '<|' + message['role']"
-            " + '_end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant_start|>{% endif %}")
+def jinja_template(mask=True):
+    """The format as a Jinja chat template: Hugging Face's (tokenizer_config.json's chat_template), whose
+    apply_chat_template gives encode's ids and, through its {% generation %} block, return_assistant_tokens_mask's
+    mask; mask=False: without that block, which only transformers knows (plain Jinja, as llama.cpp's, refuses it)."""
+    reply = "{{ message['content'] }}<|assistant_end|>"
+    if mask:
+        reply = "{% generation %}" + reply + "{% endgeneration %}"
+    return ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}<|assistant_start|>"
+            + reply + "{% else %}{{ '<|' + message['role'] + '_start|>' + message['content'] + '<|' + "
+            "message['role'] + '_end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant_start|>"
+            "{% endif %}")

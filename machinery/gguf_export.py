@@ -16,6 +16,10 @@ same in llama.cpp. Two differences: the feed-forward width is the model's own (t
              float16 where a row is not
              a multiple of 32 long)
 
+A chat model's file also holds its format (machinery/chat.py): the special tokens as control tokens, the template
+as tokenizer.chat_template (without the {% generation %} block, which only transformers knows) and the
+assistant's end of turn as the end-of-turn token, where llama.cpp ends a generation.
+
 What GPT-2's architecture cannot say is refused before anything is written, in one line (to_hf:
 QK-norm), and so is a character-level model: llama.cpp has no character tokenizer to put in the file.
 Any MLP width is written as it is. GELU: llama.cpp computes the tanh approximation through a table of
@@ -28,7 +32,7 @@ import importlib
 import json
 import os
 
-from machinery import convert
+from machinery import chat, convert
 from machinery.errors import UserError
 from machinery.fileio import temp_path
 from machinery.tokenizer import GPT2_EOT, gpt2_bpe_files
@@ -52,17 +56,20 @@ def check_outtype(outtype):
         raise UserError(f"outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
 
 
-def gpt2_vocab(gguf, vocab_size):
+def gpt2_vocab(gguf, vocab_size, data_meta):
     """The tokenizer's entries of a GGUF file: GPT-2's tokens (byte-level strings, as Hugging Face's vocab.json
-    writes them) padded to the model's vocab_size with unused ones, their types, and GPT-2's merges."""
+    writes them), a chat model's special tokens (control tokens, as <|endoftext|>), padded to the model's
+    vocab_size with unused ones; their types; GPT-2's merges."""
     vocab_bpe, encoder_json = gpt2_bpe_files()
     with open(encoder_json, encoding="utf-8") as f:
         ids = json.load(f)
     with open(vocab_bpe, encoding="utf-8") as f:
         merges = [line for line in f.read().split("\n")[1:] if line]  # (after the "#version" line)
     by_id = {i: token for token, i in ids.items()}
+    control = {GPT2_EOT, *chat.special_ids(data_meta.chat)}
+    by_id.update({i: text for text, i in chat.SPECIAL_TOKENS.items() if i in control})
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
-    types = [gguf.TokenType.CONTROL if i == GPT2_EOT else gguf.TokenType.NORMAL if i in by_id
+    types = [gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL if i in by_id
              else gguf.TokenType.UNUSED for i in range(vocab_size)]
     return tokens, types, merges
 
@@ -96,6 +103,7 @@ def write_gguf(path, model, data_meta, outtype="f16", name="gpt"):
     writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT2])
     try:
         _add_metadata(gguf, writer, config, name, file_type)
+        _add_tokenizer(gguf, writer, config, data_meta)
         for hf_name, tensor in tensors.items():
             if hf_name.endswith(_CONV1D):
                 tensor = tensor.t()
@@ -117,7 +125,7 @@ def write_gguf(path, model, data_meta, outtype="f16", name="gpt"):
 
 
 def _add_metadata(gguf, writer, config, name, file_type):
-    """The keys llama.cpp reads: the architecture's sizes and the tokenizer (as its converter writes them)."""
+    """The keys llama.cpp reads of the architecture: its sizes (as its converter writes them)."""
     width = config["n_inner"] or 4 * config["n_embd"]
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
@@ -129,7 +137,12 @@ def _add_metadata(gguf, writer, config, name, file_type):
     writer.add_layer_norm_eps(config["layer_norm_epsilon"])
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tokens, types, merges = gpt2_vocab(gguf, config["vocab_size"])
+
+
+def _add_tokenizer(gguf, writer, config, data_meta):
+    """The tokenizer's keys: GPT-2 BPE, and for a chat model its template (llama.cpp's chat uses it) and its
+    assistant's end of turn as the end of a generation (eot: llama.cpp stops there)."""
+    tokens, types, merges = gpt2_vocab(gguf, config["vocab_size"], data_meta)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(tokens)
@@ -138,3 +151,6 @@ def _add_metadata(gguf, writer, config, name, file_type):
     writer.add_bos_token_id(GPT2_EOT)
     writer.add_eos_token_id(GPT2_EOT)
     writer.add_add_bos_token(False)
+    if data_meta.chat:
+        writer.add_chat_template(chat.jinja_template(mask=False))
+        writer.add_eot_token_id(chat.stop_token())

@@ -24,10 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import WORDS, assert_one_error_line, perturb, run_in_process, tiny_train_args
+from conftest import TAUGHT, WORDS, assert_one_error_line, perturb, run_in_process, tiny_train_args
 from conftest import train as train_in_process
 import export
-from machinery import bench_serve, checkpoint, gguf_export, scoring
+from machinery import bench_serve, chat, checkpoint, gguf_export, scoring
 from machinery.meta import DatasetMeta
 from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig
@@ -227,3 +227,22 @@ def test_what_gguf_cannot_hold_is_refused_in_one_line_and_nothing_is_written(tmp
     assert_one_error_line(run_in_process(export.main, f"--out_dir={good}", "--to=gguf", tmp_path / "new.gguf"),
                           gguf_export.INSTALL)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["char", "good", "qk", "taken.gguf"]  # no temporaries
+
+
+def test_a_chat_model_answers_in_llama_cpp_through_its_template_and_stops_at_its_end_of_turn(tmp_path,
+                                                                                            taught_chat_dir):
+    """A chat model's file holds its format: the special tokens (control tokens: tokenized as ours where specials
+    are parsed), its template (plain Jinja, which llama.cpp's chat renders) and the assistant's end of turn as
+    llama.cpp's end of generation. llama-cpp-python's chat completion, which builds the prompt from the file's
+    template alone, answers what the model was taught (TAUGHT, greedy) and stops there."""
+    path = tmp_path / "chat.gguf"
+    run_in_process(export.main, f"--out_dir={taught_chat_dir}", "--to=gguf", "--outtype=f32", path, check=True)
+    tok = chat.tokenizer()
+    with llama(path, 64) as llm:
+        assert llm.metadata["tokenizer.chat_template"] == chat.jinja_template(mask=False)
+        assert int(llm.metadata["tokenizer.ggml.eot_token_id"]) == chat.stop_token()
+        for messages, reply in TAUGHT:
+            ids, _ = chat.encode(tok, messages + [{"role": "assistant", "content": reply}])
+            assert llm.tokenize(tok.decode(ids).encode(), add_bos=False, special=True) == ids
+            answer = llm.create_chat_completion(messages=messages, temperature=0, max_tokens=20)["choices"][0]
+            assert (answer["message"]["content"], answer["finish_reason"]) == (reply, "stop")
