@@ -49,7 +49,7 @@ same steps on a synthetic conversational task (full or LoRA, the loss on the ass
 model's held-out exact-match accuracy, share of replies ending with <|assistant_end|> and masked loss, as a
 markdown table. See machinery/bench_chat.py.
 
-    python bench.py --mode=chat [--chat_pretrain=task|text] [--chat_pretrain_iters=150] [--chat_sft_iters=100]
+    python bench.py --mode=chat [--chat_pretrain=task|text] [--chat_pretrain_iters=150] [--chat_sft_iters=400]
 
 Every train.py setting is a setting here too, so training config files work as they are;
 vocab_size defaults to the configured dataset's when it has been prepared. Each figure is the
@@ -115,7 +115,7 @@ class BenchConfig(TrainConfig):
                                          "conversations as plain text, without roles or special tokens) or text "
                                          "(text_source)")
     chat_pretrain_iters: int = setting(150, "mode=chat: steps of pretraining the base model")
-    chat_sft_iters: int = setting(100, "mode=chat: steps of each finetuning on the conversations")
+    chat_sft_iters: int = setting(400, "mode=chat: steps of each finetuning on the conversations")
     chat_train: int = setting(4000, "mode=chat: training conversations generated")
     chat_heldout: int = setting(50, "mode=chat: held-out conversations generated (2 or 3 replies each)")
 
