@@ -10,7 +10,8 @@ served by `python serve.py --init_from=DIR` in a process of its own, on 127.0.0.
 
 1. batch-1 decoding, greedy, serve_tokens new tokens after a random prompt of prompt_len tokens, side by
    side and alternating: the generation engine as serve.py runs it (dtype as given: auto is bfloat16
-   where the CPU computes it natively, else float32) and with int8 weights (--quantize=int8), llama.cpp
+   where the CPU computes it natively, else float32) and with int8 weights (--quantize=int8; with
+   --compile=True also compiled, as sample.py --compile=True --quantize=int8 runs it), llama.cpp
    (llama-cpp-python, torch's number of threads) on the same weights as GGUF files in Q8_0 and F16 (export.py
    --to=gguf), and transformers' GPT2LMHeadModel.generate (its default float32, and the engine's dtype when
    that is another); tokens/s, the median of `repeats` runs after `warmup`; and the memory bound: the
@@ -83,7 +84,7 @@ def alternating(runs, warmup, repeats):
 
 def batch_one(cfg, hf_dir, model, device, dtype, workdir):
     """Greedy batch-1 tokens/s on device, alternating: our engine (as serve.py runs it) at dtype and, on the CPU,
-    with int8 weights (--quantize=int8, the rest in dtype) and llama.cpp on the same weights in Q8_0 and F16 (GGUF
+    with int8 weights (--quantize=int8, the rest in dtype; with --compile=True also compiled) and llama.cpp on the same weights in Q8_0 and F16 (GGUF
     files of export.py --to=gguf), on CUDA in float32 too; transformers' generate in float32 (and in dtype when
     that is another);
     ({name: (tokens/s, bytes of weights read per token)}, the memory's read bandwidth in bytes/s: a sum over
@@ -97,10 +98,10 @@ def batch_one(cfg, hf_dir, model, device, dtype, workdir):
                            generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     n = cfg.serve_tokens
 
-    def ours(quantize=None, dtype=dtype):
+    def ours(quantize=None, dtype=dtype, compile=False):
         loaded = loading.load(loading.ModelSource(init_from=hf_dir), device, dtype)  # as serve.py's build loads it
-        runner = engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype, quantize=quantize),
-                               loaded.tokenizer, loaded.device)
+        runner = engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype, compile, quantize),
+                               loaded.tokenizer, loaded.device, compile=compile)
 
         def run():
             g = runner.submit(engine.Request(prompt, max_tokens=n, temperature=0))
@@ -125,8 +126,10 @@ def batch_one(cfg, hf_dir, model, device, dtype, workdir):
 
     runs = {f"ours ({dtype})": (ours(), dtype)}
     if device == "cpu":
-        runs.update({f"ours (int8, the rest {dtype})": (ours("int8"), "int8"),
-                     "llama.cpp Q8_0": (llama("q8_0"), "q8_0"), "llama.cpp F16": (llama("f16"), "float16")})
+        runs[f"ours (int8, the rest {dtype})"] = (ours("int8"), "int8")
+        if cfg.compile:  # as sample.py --compile --quantize=int8 (its compiling is in the warm-up rounds)
+            runs["ours (int8, --compile)"] = (ours("int8", compile=True), "int8")
+        runs.update({"llama.cpp Q8_0": (llama("q8_0"), "q8_0"), "llama.cpp F16": (llama("f16"), "float16")})
     elif dtype != "float32":
         runs["ours (float32)"] = (ours(dtype="float32"), "float32")
     runs["transformers generate (float32)"] = (transformers(torch.float32), "float32")

@@ -64,8 +64,10 @@ class Int8Linear(nn.Module):
     def forward(self, x):
         rows = x.shape[:-1]
         xb = x.reshape(-1, self.in_features)
-        if xb.dtype != torch.bfloat16 or not xb.is_contiguous() or xb.data_ptr() % 64:
-            # the kernel's aligned loads need contiguous rows that start where an allocation does
+        # the kernel's aligned loads need contiguous rows that start where an allocation does. Under torch.compile
+        # there is no data pointer to look at (asking for it would split the graph, and dynamo would then compile
+        # the attention once per layer): a copy is always a fresh allocation, and at decoding's few rows cheap
+        if torch.compiler.is_compiling() or xb.dtype != torch.bfloat16 or not xb.is_contiguous() or xb.data_ptr() % 64:
             xb = xb.to(torch.bfloat16, memory_format=torch.contiguous_format, copy=True)
         y = torch.ops.aten._weight_int8pack_mm(xb, self.weight_int8, self.scale.to(torch.bfloat16)).to(x.dtype)
         if self.bias is not None:
