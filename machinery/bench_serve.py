@@ -84,9 +84,9 @@ def alternating(runs, warmup, repeats):
 
 def batch_one(cfg, hf_dir, model, device, dtype, workdir):
     """Greedy batch-1 tokens/s on device, alternating: our engine (as serve.py runs it) at dtype and, on the CPU,
-    with int8 weights (--quantize=int8, the rest in dtype; with --compile=True also compiled) and llama.cpp on the same weights in Q8_0 and F16 (GGUF
-    files of export.py --to=gguf), on CUDA in float32 too; transformers' generate in float32 (and in dtype when
-    that is another);
+    with int8 weights (--quantize=int8, the rest in dtype; with --compile=True also compiled) and llama.cpp on
+    the same weights in Q8_0 and F16 (GGUF files of export.py --to=gguf), on CUDA in float32 too; transformers'
+    generate in float32 (and in dtype when that is another);
     ({name: (tokens/s, bytes of weights read per token)}, the memory's read bandwidth in bytes/s: a sum over
     READ_BYTES of float32, timed in turn with the rows, so that it sees the same load)."""
     from transformers import GPT2LMHeadModel
@@ -99,15 +99,7 @@ def batch_one(cfg, hf_dir, model, device, dtype, workdir):
     n = cfg.serve_tokens
 
     def ours(quantize=None, dtype=dtype, compile=False):
-        loaded = loading.load(loading.ModelSource(init_from=hf_dir), device, dtype)  # as serve.py's build loads it
-        runner = engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype, compile, quantize),
-                               loaded.tokenizer, loaded.device, compile=compile)
-
-        def run():
-            g = runner.submit(engine.Request(prompt, max_tokens=n, temperature=0))
-            while not g.done:
-                runner.step()
-        return run
+        return engine_greedy(hf_dir, device, dtype, prompt, n, quantize, compile)
 
     def transformers(hf_dtype):
         hf = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=hf_dtype).to(device).eval()
@@ -144,6 +136,20 @@ def batch_one(cfg, hf_dir, model, device, dtype, workdir):
                           cfg.repeats)
     rates = {name: (n / seconds[name], weight_bytes(model, kind)) for name, (_, kind) in runs.items()}
     return rates, READ_BYTES / seconds["memory"]
+
+
+def engine_greedy(hf_dir, device, dtype, prompt, n, quantize=None, compile=False):
+    """A function that decodes n tokens greedily after prompt in our engine, the model loaded from hf_dir as
+    serve.py's build loads it (quantize, compile: as --quantize, --compile)."""
+    loaded = loading.load(loading.ModelSource(init_from=hf_dir), device, dtype)
+    runner = engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype, compile, quantize),
+                           loaded.tokenizer, loaded.device, compile=compile)
+
+    def run():
+        g = runner.submit(engine.Request(prompt, max_tokens=n, temperature=0))
+        while not g.done:
+            runner.step()
+    return run
 
 
 def synchronize(device):
