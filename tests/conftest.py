@@ -168,6 +168,24 @@ def finetune_args(init_from, data_dir, out_dir, **overrides):
     return [str(ROOT / "config" / "finetune_shakespeare.py")] + [f"--{k}={v}" for k, v in args.items()]
 
 
+@pytest.fixture
+def eager_dynamo(monkeypatch):
+    """torch.compile with dynamo's "eager" backend (what dynamo traces, recompiles and breaks does not depend on
+    the backend; the test stays quick), from a fresh dynamo; yields dynamo's counters."""
+    import functools
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    try:
+        yield counters
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.fixture(params=[False, True], ids=["cpu_emulates_bf16", "cpu_computes_bf16"])
 def cpu_bf16(request, monkeypatch):
     """Each answer of hardware.cpu_native("bfloat16") in turn, whatever this CPU is: tests of what

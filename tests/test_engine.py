@@ -194,34 +194,24 @@ def test_fixed_shape_decoding_gives_the_uncached_tokens_and_each_requests_own(dt
     assert [run(runner, [r])[0] for r in requests] == together and len({tuple(t) for t in together}) == 8
 
 
-def test_a_compiled_fixed_step_is_one_graph_whatever_the_lengths(monkeypatch):
+def test_a_compiled_fixed_step_is_one_graph_whatever_the_lengths(eager_dynamo):
     """compile=True in a fixed engine compiles its decoding step alone: dynamo compiles it once and never again,
     whatever the number of tokens, the rows running or the prompt lengths (prompts are encoded eagerly; the
     "eager" backend keeps the test quick: dynamo decides what to recompile whatever the backend), and the tokens
     are the eager engine's."""
-    import functools
-
-    from torch._dynamo.utils import counters
-
     rounds = [[[1, 2, 3]], [[4, 5], [6, 7, 8, 9, 10, 11], [12]]]  # the second: other lengths, more rows, longer
     eager = engine.Engine(engine.prepare(small_model(block_size=16), "cpu", "float32"), Tokens(70), max_batch=4,
                           fixed=True)
     expected = [run(eager, [engine.Request(p, max_tokens=10 + 15 * r, temperature=0) for p in prompts])
                 for r, prompts in enumerate(rounds)]
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
-        model = engine.prepare(small_model(block_size=16), "cpu", "float32", compile=True)
-        runner = engine.Engine(model, Tokens(70), max_batch=4, fixed=True, compile=True)
-        graphs = []
-        for r, prompts in enumerate(rounds):
-            assert run(runner, [engine.Request(p, max_tokens=10 + 15 * r, temperature=0) for p in prompts]) == \
-                expected[r]
-            graphs.append(counters["stats"]["unique_graphs"])
-        assert graphs == [1, 1], graphs
-    finally:
-        torch._dynamo.reset()
+    model = engine.prepare(small_model(block_size=16), "cpu", "float32", compile=True)
+    runner = engine.Engine(model, Tokens(70), max_batch=4, fixed=True, compile=True)
+    graphs = []
+    for r, prompts in enumerate(rounds):
+        assert run(runner, [engine.Request(p, max_tokens=10 + 15 * r, temperature=0) for p in prompts]) == \
+            expected[r]
+        graphs.append(eager_dynamo["stats"]["unique_graphs"])
+    assert graphs == [1, 1], graphs
 
 
 def test_stop_texts_stop_tokens_and_max_tokens_end_a_generation_with_its_reason():

@@ -143,32 +143,22 @@ def test_under_int8_a_seed_gives_the_same_tokens_again():
     assert first == again != other and run(runner, requests[:1]) == [first]
 
 
-def test_a_compiled_int8_model_decodes_in_whole_graphs(monkeypatch):
+def test_a_compiled_int8_model_decodes_in_whole_graphs(eager_dynamo):
     """Engine(compile=True) on an int8 model (sample.py --compile --quantize=int8 on the CPU): dynamo traces each
     forward whole, without a graph break (an int8 layer's alignment check asked for a data pointer, which splits
     the graph: dynamo then compiled the attention once per layer, up to its recompile limit), and the tokens are
     the eager engine's. The "eager" backend keeps the test quick: graph breaks are dynamo's, whatever the
     backend. In bfloat16, whose activations the kernel takes as they are (float32 ones are converted first)."""
-    import functools
-
-    from torch._dynamo.utils import counters
-
     prompts = [[1, 5, 9, 2, 7], [3], [4, 4, 8, 1, 1, 6, 2, 9, 3]]  # one at a time: several prompt lengths
     eager = engine.Engine(engine.prepare(model_of(block_size=16), "cpu", "bfloat16", quantize="int8"), Tokens(70))
     expected = [run(eager, [engine.Request(p, max_tokens=12, temperature=0)]) for p in prompts]
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
-        model = engine.prepare(model_of(block_size=16), "cpu", "bfloat16", compile=True, quantize="int8")
-        runner = engine.Engine(model, Tokens(70), compile=True)
-        assert [run(runner, [engine.Request(p, max_tokens=12, temperature=0)]) for p in prompts] == expected
-        assert isinstance(model.lm_head, Int8Linear) and counters["stats"]["unique_graphs"] >= 1
-        # every frame dynamo met compiled whole: nothing it could not trace (a graph break) and no frame left over
-        assert not counters["unimplemented"] and counters["frames"]["total"] == counters["frames"]["ok"], \
-            {k: dict(v) for k, v in counters.items()}
-    finally:
-        torch._dynamo.reset()
+    model = engine.prepare(model_of(block_size=16), "cpu", "bfloat16", compile=True, quantize="int8")
+    runner = engine.Engine(model, Tokens(70), compile=True)
+    assert [run(runner, [engine.Request(p, max_tokens=12, temperature=0)]) for p in prompts] == expected
+    assert isinstance(model.lm_head, Int8Linear) and eager_dynamo["stats"]["unique_graphs"] >= 1
+    # every frame dynamo met compiled whole: nothing it could not trace (a graph break) and no frame left over
+    assert not eager_dynamo["unimplemented"] and eager_dynamo["frames"]["total"] == eager_dynamo["frames"]["ok"], \
+        {k: dict(v) for k, v in eager_dynamo.items()}
 
 
 # ---------------------------------------------------------------------- the commands
