@@ -11,7 +11,8 @@ served by `python serve.py --init_from=DIR` in a process of its own, on 127.0.0.
 1. batch-1 decoding, greedy, serve_tokens new tokens after a random prompt of prompt_len tokens, side by
    side and alternating: the generation engine as serve.py runs it (dtype as given: auto is bfloat16
    where the CPU computes it natively, else float32) and with int8 weights (--quantize=int8; with
-   --compile=True also compiled, as sample.py --compile=True --quantize=int8 runs it), llama.cpp
+   --compile=True also compiled, as sample.py --compile=True --quantize=int8 runs it; and its int8 products
+   alone, nothing else of a step: the kernel's bound), llama.cpp
    (llama-cpp-python, torch's number of threads) on the same weights as GGUF files in Q8_0 and F16 (export.py
    --to=gguf), and transformers' GPT2LMHeadModel.generate (its default float32, and the engine's dtype when
    that is another); tokens/s, the median of `repeats` runs after `warmup`; and the memory bound: the
@@ -30,6 +31,7 @@ The server and the clients share the machine's cores (the clients' work is small
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import io
 import json
@@ -43,7 +45,7 @@ import time
 
 import torch
 
-from machinery import convert, engine, gguf_export, loading
+from machinery import convert, engine, gguf_export, loading, quantize
 from machinery.fileio import read_text
 from machinery.hardware import DTYPES
 from machinery.meta import DatasetMeta
@@ -84,7 +86,8 @@ def alternating(runs, warmup, repeats):
 
 def batch_one(cfg, hf_dir, model, device, dtype, workdir):
     """Greedy batch-1 tokens/s on device, alternating: our engine (as serve.py runs it) at dtype and, on the CPU,
-    with int8 weights (--quantize=int8, the rest in dtype; with --compile=True also compiled) and llama.cpp on
+    with int8 weights (--quantize=int8, the rest in dtype; with --compile=True also compiled; its products alone,
+    int8_products) and llama.cpp on
     the same weights in Q8_0 and F16 (GGUF files of export.py --to=gguf), on CUDA in float32 too; transformers'
     generate in float32 (and in dtype when that is another);
     ({name: (tokens/s, bytes of weights read per token)}, the memory's read bandwidth in bytes/s: a sum over
@@ -121,6 +124,7 @@ def batch_one(cfg, hf_dir, model, device, dtype, workdir):
         runs[f"ours (int8, the rest {dtype})"] = (ours("int8"), "int8")
         if cfg.compile:  # as sample.py --compile --quantize=int8 (its compiling is in the warm-up rounds)
             runs["ours (int8, --compile)"] = (ours("int8", compile=True), "int8")
+        runs["int8 products alone: the kernel's bound"] = (int8_products(model, n), "int8")
         runs.update({"llama.cpp Q8_0": (llama("q8_0"), "q8_0"), "llama.cpp F16": (llama("f16"), "float16")})
     elif dtype != "float32":
         runs["ours (float32)"] = (ours(dtype="float32"), "float32")
@@ -149,6 +153,23 @@ def engine_greedy(hf_dir, device, dtype, prompt, n, quantize=None, compile=False
         g = runner.submit(engine.Request(prompt, max_tokens=n, temperature=0))
         while not g.done:
             runner.step()
+    return run
+
+
+def int8_products(model, n):
+    """A function that runs only the int8 products of n decoding steps: every layer --quantize=int8 makes of
+    model (the output head included) on one bfloat16 row, as a step calls them, and nothing else a step does:
+    the speed int8 decoding cannot pass with PyTorch's kernel (the weights, 124 MB for GPT-2, stream from memory
+    at each step as in decoding)."""
+    layers = [m for m in quantize.quantize(copy.deepcopy(model), "int8").modules()
+              if isinstance(m, quantize.Int8Linear)]
+    rows = {m.in_features: torch.randn(1, m.in_features, dtype=torch.bfloat16) for m in layers}
+
+    def run():
+        with torch.no_grad():
+            for _ in range(n):
+                for layer in layers:
+                    layer(rows[layer.in_features])
     return run
 
 

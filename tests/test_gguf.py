@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from conftest import TAUGHT, WORDS, assert_one_error_line, perturb, run_in_process, tiny_train_args
 from conftest import train as train_in_process
 import export
-from machinery import bench_serve, chat, checkpoint, gguf_export, scoring
+from machinery import bench_serve, chat, checkpoint, gguf_export, quantize, scoring
 from machinery.meta import DatasetMeta
 from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig
@@ -201,6 +201,22 @@ def test_the_benchmarks_bytes_per_token_of_a_model_counted_by_hand():
     assert bench_serve.weight_bytes(model, "bfloat16") == 2 * weights
     assert bench_serve.weight_bytes(model, "int8") == weights + 2 * rows
     assert bench_serve.weight_bytes(model, "q8_0") == weights // 32 * 34
+
+
+def test_the_benchmarks_int8_bound_runs_each_int8_product_of_a_step_once_per_token(monkeypatch):
+    """bench.py --mode=serve's row of int8 products alone: per token, the 4 matrices of each block and the output
+    layer, each once, on one row (and the model it measures is left as it was)."""
+    model = GPT(GPTConfig(block_size=8, vocab_size=100, n_layer=2, n_head=2, n_embd=32))
+    calls, forward = [], quantize.Int8Linear.forward
+
+    def counted(self, x):
+        calls.append((tuple(x.shape), self.out_features))
+        return forward(self, x)
+    monkeypatch.setattr(quantize.Int8Linear, "forward", counted)
+    bench_serve.int8_products(model, 3)()
+    step = [((1, 32), 96), ((1, 32), 32), ((1, 32), 128), ((1, 128), 32)] * 2 + [((1, 32), 100)]
+    assert calls == step * 3
+    assert not any(isinstance(m, quantize.Int8Linear) for m in model.modules())
 
 
 # ---------------------------------------------------------------------- what cannot be written
