@@ -52,7 +52,8 @@ class GPTConfig:
 
 class Head(nn.Module):
     """Causal scaled dot-product attention, softmax(QK^T / sqrt(head_size)) V, of every head at once: the n_head
-    Heads of the articles in one call, q, k, v (B, n_head, T, head_size) projected by MultiHeadAttention."""
+    heads that tutorials build as one Head module each, in one call on q, k, v (B, n_head, T, head_size) projected
+    by MultiHeadAttention."""
 
     def __init__(self, dropout):
         super().__init__()
