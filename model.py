@@ -303,7 +303,7 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
     logits = logits.float() / temperature
     if top_k is not None:
         k = min(int(top_k), logits.size(-1))
-        kth = torch.topk(logits, k, dim=-1).values[:, [-1]]
+        kth = torch.topk(logits, k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)

@@ -144,10 +144,11 @@ def batch_one(cfg, hf_dir, model, device, dtype, workdir):
 
 def engine_greedy(hf_dir, device, dtype, prompt, n, quantize=None, compile=False):
     """A function that decodes n tokens greedily after prompt in our engine, the model loaded from hf_dir as
-    serve.py's build loads it (quantize, compile: as --quantize, --compile)."""
+    serve.py's build loads it (quantize, compile: as --quantize, --compile), with one row of KV cache as sample.py
+    makes for one sample (a fixed step, CUDA's, computes every row of the cache)."""
     loaded = loading.load(loading.ModelSource(init_from=hf_dir), device, dtype)
     runner = engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype, compile, quantize),
-                           loaded.tokenizer, loaded.device, compile=compile)
+                           loaded.tokenizer, loaded.device, max_batch=1, compile=compile)
 
     def run():
         g = runner.submit(engine.Request(prompt, max_tokens=n, temperature=0))

@@ -99,8 +99,7 @@ class FixedStep:
         self.idx = torch.zeros(slots.rows, 1, dtype=torch.long, device=slots.device)
         self.graph, self.logits = None, None
         self.capture = slots.device.type == "cuda"
-        if compile:
-            self._run = torch.compile(self._run, fullgraph=True, dynamic=False)
+        self._run = torch.compile(self._eager, fullgraph=True, dynamic=False) if compile else self._eager
 
     def __call__(self, idx, pos):
         """Run the step on tokens idx (rows, 1) at positions pos (rows,), both on the CPU."""
@@ -108,18 +107,23 @@ class FixedStep:
         self.fixed.pos.copy_(pos, non_blocking=True)
         if self.capture:
             self.capture = False
+            stream = torch.cuda.current_stream(self.idx.device)
             try:
-                self._capture()
-            except Exception as e:  # e.g. a model whose kernels cannot be captured
-                self.graph = None
-                print(f"note: the decoding step runs without a CUDA graph ({type(e).__name__}: "
+                with torch.cuda.device(self.idx.device):  # (the thread's current GPU may be another: cuda:N)
+                    self._capture()
+            except Exception as e:  # e.g. a model whose kernels cannot be captured, or that did not compile
+                # a failed capture can leave its stream current (torch.cuda.graph ends the capture first); then the
+                # step runs eagerly, as the model itself
+                torch.cuda.set_stream(stream)
+                self.graph, self._run = None, self._eager
+                print(f"note: the decoding step runs eagerly, without a CUDA graph ({type(e).__name__}: "
                       f"{str(e).splitlines()[0][:160] if str(e) else ''})", file=sys.stderr)
         if self.graph is None:
             return self._run()
         self.graph.replay()
         return self.logits
 
-    def _run(self):
+    def _eager(self):
         return self.model(self.idx, kv_cache=self.fixed)[0]
 
     def _capture(self):

@@ -435,7 +435,8 @@ class Engine:
                     sampling.append(g)
             except Exception as e:
                 self._fail(g, e)
-        self._sample(sampling, logits[[rows.index(g) for g in sampling], -1])
+        self._sample(sampling, logits[:, -1].index_select(0, device_index([rows.index(g) for g in sampling],
+                                                                           logits.device)))
 
     def _forward(self, rows, n):
         """The model's float32 logits (B, n or 1, vocab) for the next n tokens of each row (every position's when
@@ -447,7 +448,7 @@ class Engine:
                 pos[g.slot] = min(g.length, self.slots.length - 1)
             for g in rows:
                 idx[g.slot, 0] = g.todo[0]
-            logits = self.fixed_step(idx, pos)[[g.slot for g in rows]]
+            logits = self.fixed_step(idx, pos).index_select(0, device_index([g.slot for g in rows], self.device))
         else:
             idx = torch.tensor([g.todo[:n] for g in rows], device=self.device)
             every = any(g.request.echo and g.echoed < g.prompt_tokens for g in rows)
@@ -542,9 +543,19 @@ def draw(rows, logits):
         u = None
         if temperature >= torch.finfo(torch.float32).tiny:  # (sample_next's greedy draws nothing)
             u = torch.cat([torch.rand(1, 1, generator=rows[i].generator, device=logits.device) for i in members])
-        index = torch.tensor(members, device=logits.device)
+        index = device_index(members, logits.device)
         tokens[index] = sample_next(logits[index], temperature, top_k, top_p, u=u)
     return tokens
+
+
+def device_index(values, device):
+    """values (ints) as a long tensor on device, without making the host wait for it: a list that indexes a CUDA
+    tensor, or a tensor made from one on it, is copied from pageable memory, which waits for every kernel queued
+    before (the whole decoding step); from pinned memory the copy is queued behind them instead."""
+    index = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
 
 
 def scores(logprobs, token, k):

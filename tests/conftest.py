@@ -186,6 +186,22 @@ def eager_dynamo(monkeypatch):
         torch._dynamo.reset()
 
 
+@pytest.fixture
+def tf32_off():
+    """Both TF32 flags off (cudnn's is on by default), put back as they were after the test (train.py on CUDA turns
+    them on for the whole process). By hand: the flags live behind __getattr__/__setattr__, not in a __dict__,
+    and monkeypatch's undo would delete them."""
+    import torch
+
+    flags = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = [flag.allow_tf32 for flag in flags]
+    for flag in flags:
+        flag.allow_tf32 = False
+    yield
+    for flag, value in zip(flags, saved):
+        flag.allow_tf32 = value
+
+
 @pytest.fixture(params=[False, True], ids=["cpu_emulates_bf16", "cpu_computes_bf16"])
 def cpu_bf16(request, monkeypatch):
     """Each answer of hardware.cpu_native("bfloat16") in turn, whatever this CPU is: tests of what

@@ -23,7 +23,7 @@ def data_dir(module_data):
     return module_data
 
 
-def test_train_py_trains_in_bfloat16_autocast_on_cuda(tmp_path, data_dir):
+def test_train_py_trains_in_bfloat16_autocast_on_cuda(tmp_path, data_dir, tf32_off):
     if not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bfloat16 (dtype=auto picks float16 there)")
     trainer = train.Trainer(parse(train.TrainConfig, tiny_train_args(data_dir, tmp_path / "out", device="cuda",

@@ -93,19 +93,6 @@ def test_only_float16_gets_an_enabled_grad_scaler_on_either_device(cuda):
             == [False, False, True]
 
 
-@pytest.fixture
-def tf32_off():
-    """Both TF32 flags off (cudnn's is on by default), put back as they were after the test. (By hand: the
-    flags live behind __getattr__/__setattr__, not in a __dict__, and monkeypatch's undo would delete them.)"""
-    flags = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = [flag.allow_tf32 for flag in flags]
-    for flag in flags:
-        flag.allow_tf32 = False
-    yield
-    for flag, value in zip(flags, saved):
-        flag.allow_tf32 = value
-
-
 def test_tf32_is_allowed_on_cuda_only(tf32_off):
     for device_type in ("cpu", "mps"):
         hardware.enable_tf32(device_type)
