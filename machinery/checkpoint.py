@@ -171,8 +171,8 @@ def restore_rank_state(state, sampler):
     name, keys, *rest = rng["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    if "cuda" in rng and torch.cuda.is_available():  # (written with more GPUs than here: the ones there are)
+        torch.cuda.set_rng_state_all(rng["cuda"][:torch.cuda.device_count()])
 
 
 def _to_tuple(x):

@@ -268,6 +268,20 @@ def test_checkpoints_carry_every_gpus_random_state_and_restore_it(cuda, monkeypa
     assert all(torch.equal(a, b) for a, b in zip(restored[0], gpu_states))
 
 
+def test_a_checkpoint_from_more_gpus_resumes_with_the_states_of_the_gpus_there_are(cuda, monkeypatch):
+    """Written on 2 GPUs, resumed on 1 (torch.cuda.set_rng_state_all would ask for a second GPU: IndexError)."""
+    restored = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.full((16,), i, dtype=torch.uint8)
+                                                                   for i in (3, 4)])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    batches = sampler()
+    state = checkpoint.rank_state(batches.state_dict())
+    cuda.count = 1
+    checkpoint.restore_rank_state(state, batches)
+    assert len(restored) == 1 and len(restored[0]) == 1 and torch.equal(restored[0][0], torch.full((16,), 3,
+                                                                                                  dtype=torch.uint8))
+
+
 def test_without_cuda_no_gpu_state_is_saved_or_restored(monkeypatch):
     def fails(*args):
         raise AssertionError("torch.cuda asked for random state on a machine without CUDA")
