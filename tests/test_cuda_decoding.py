@@ -9,6 +9,8 @@ import torch
 
 from machinery import engine
 from test_engine import Tokens, run, small_model
+import test_serve
+from test_serve import ckpt_dir  # noqa: F401 (a fixture: test_serve's random character model)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -90,23 +92,12 @@ def test_a_decoding_step_makes_the_host_wait_for_the_gpu_once():
     assert counts == [1] * 5
 
 
-def test_serve_py_answers_on_cuda(tmp_path):
-    import httpx
-
-    import test_serve
-    from machinery import checkpoint
-    from machinery.meta import DatasetMeta
-    from machinery.tokenizer import CharTokenizer
-    from model import GPT, GPTConfig
-    from train import TrainConfig
-
-    tokenizer = CharTokenizer(sorted(set("abcdefgh ")))
-    model = GPT(GPTConfig(block_size=32, vocab_size=tokenizer.vocab_size, n_layer=1, n_head=2, n_embd=32))
-    out = tmp_path / "tiny"
-    out.mkdir()
-    checkpoint.save(checkpoint.training_state(model.state_dict(), model.config, TrainConfig(),
-                                              DatasetMeta.of(tokenizer), iter_num=0, best_val_loss=float("inf")),
-                    str(out / checkpoint.BEST))
-    with test_serve.serving(out, device="cuda") as server:
-        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "abc", "max_tokens": 5}, timeout=120)
-        assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) == 5
+def test_serve_py_on_cuda_refuses_each_bad_request_and_then_serves(ckpt_dir):
+    """serve.py on the GPU at its default precision (dtype=auto): each bad request of test_serve gets its 4xx (one
+    that reached the model, a token id outside the vocabulary say, would be a device-side assert, which ends every
+    later CUDA call of the process), then a real completion completes, decoded by the captured graph."""
+    with test_serve.serving(ckpt_dir, "--max_tokens=100000", "--dtype=auto", device="cuda") as server:
+        for sent, status, _, _ in test_serve.BAD:
+            assert test_serve.post(server, "/v1/completions", sent).status_code == status, sent
+        test_serve.assert_serves(server)
+        assert server.engine.fixed_step.graph is not None
