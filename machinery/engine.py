@@ -160,6 +160,10 @@ class StreamText:
     holds back an incomplete UTF-8 character (BPE tokens can split one) and a tail that may turn out
     to be the start of a stop text, so what is streamed is always a prefix of the final text, and all
     of it once finish() is called.
+
+    A token costs the same however long the text is: only the ids after the last complete character are decoded
+    again (the text of bytes that end a character is the text of their start followed by the rest's), and stop
+    texts are looked for where the new text may hold one.
     """
 
     def __init__(self, tokenizer, stop=(), stop_tokens=()):
@@ -168,6 +172,7 @@ class StreamText:
         self.stop_tokens = set(stop_tokens)
         self.ids = []
         self.text = ""  # the decoded text, cut at a stop text
+        self.settled, self.settled_ids = "", 0  # the text of ids[:settled_ids], ending with a complete character
         self.done = False
         self.emitted = 0  # characters of text handed out so far
 
@@ -178,11 +183,15 @@ class StreamText:
         if token_id in self.stop_tokens:
             return self.finish()
         self.ids.append(token_id)
-        self.text = self.tokenizer.decode(self.ids)
-        cuts = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        new = len(self.settled)  # the text may change from here on (a character completed), not before it
+        tail = self.tokenizer.decode(self.ids[self.settled_ids:])
+        self.text = self.settled + tail
+        cuts = [i for i in (self.text.find(s, max(0, new - len(s) + 1)) for s in self.stop) if i >= 0]
         if cuts:
             self.text = self.text[:min(cuts)]
             return self.finish()
+        if not tail.endswith("\ufffd"):  # (an incomplete character decodes as U+FFFD)
+            self.settled, self.settled_ids = self.text, len(self.ids)
         return self._take(len(self.text) - self._undecided())
 
     def finish(self):

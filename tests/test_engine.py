@@ -51,6 +51,37 @@ def test_several_stop_texts_cut_at_the_first_to_appear_and_hold_back_the_longest
     assert "".join(pieces[:8]) == "abc xyz "  # not followed by ".": out it goes
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_streamed_text_is_the_whole_decode_cut_at_the_first_stop_text_and_held_back_no_longer_than_needed(seed):
+    """Random token sequences (GPT-2 tokens of mixed scripts, some splitting characters, and random ids), stop
+    texts taken from the sequence's own text: what is streamed is at every token a prefix of the final text, all
+    of it in the end; the final text is the whole sequence decoded at once, cut where a stop text first appears;
+    and after each token everything but an incomplete character and a possible start of a stop text is out."""
+    tokenizer = GPT2Tokenizer()
+    g = torch.Generator().manual_seed(seed)
+    words = tokenizer.encode("Fair 你好世界, café — ok 🙂 ROMEO: what light through yonder ")
+    assert any(tokenizer.decode(words[:n]).endswith("\ufffd") for n in range(len(words)))  # split characters
+    ids = []
+    while len(ids) < 300:  # runs of the text's tokens (characters split and completed), now and then a random id
+        i, n = torch.randint(0, len(words), (2,), generator=g).tolist()
+        ids += words[i:i + n % 8 + 1] + ([int(torch.randint(0, 50256, (1,), generator=g))] if n % 5 == 0 else [])
+    whole = tokenizer.decode(ids)
+    start = int(torch.randint(100, len(whole) - 20, (1,), generator=g))
+    stop = (whole[start:start + 5], "never in it \u2603\u2603") if seed % 2 else ()
+    stream = engine.StreamText(tokenizer, stop=stop)
+    final = whole[:min([whole.find(t) for t in stop if t in whole], default=len(whole))]
+    out = ""
+    for k in range(len(ids)):
+        out += stream.add(ids[k])
+        assert final.startswith(out)
+        if stream.done:
+            break
+        so_far = tokenizer.decode(ids[:k + 1]).rstrip("\ufffd")
+        assert len(out) >= len(so_far) - max([len(t) - 1 for t in stop], default=0)
+    out += stream.finish()
+    assert out == stream.text == final and stream.done
+
+
 # ---------------------------------------------------------------------- the engine
 
 
