@@ -41,6 +41,7 @@ import hmac
 import json
 import math
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -225,6 +226,7 @@ class Server:
         self.engine, self.tokenizer, self.name, self.limits, self.api_key = engine, tokenizer, name, limits, api_key
         self.chat_format = chat_format
         self.block_size = engine.block_size
+        self.waker = None  # (the Waker of the loop that serves; made at the first request)
 
     def encode(self, text, param):
         try:
@@ -275,10 +277,13 @@ class Server:
     def submit(self, requests, chat=False, stream=False):
         """Start every choice on the engine; a Choices that follows them."""
         loop, wake = asyncio.get_running_loop(), asyncio.Event()
+        if self.waker is None or self.waker.loop is not loop:
+            self.waker = Waker(loop)
+        waker = self.waker
         completions = []
         try:
             for i, request in enumerate(requests):
-                generation = self.engine.submit(request, notify=lambda: loop.call_soon_threadsafe(wake.set),
+                generation = self.engine.submit(request, notify=lambda: waker.wake(wake),
                                                 max_backlog=STREAM_BACKLOG if stream else None)
                 completions.append(Completion(self, generation, i, chat))
         except (QueueFull, Stopped) as e:
@@ -290,6 +295,33 @@ class Server:
             raise APIError(429, f"the server is busy: {e}; try again later", None, "queue_full",
                            "rate_limit_error", headers={"Retry-After": "1"}) from None
         return Choices(completions, wake)
+
+
+class Waker:
+    """Sets asyncio Events of one loop from the engine's thread. The events of one engine step (one for each running
+    request) take one call into the loop (a write to its wake-up pipe, and the GIL handed over), not one each."""
+
+    def __init__(self, loop):
+        self.loop, self.lock, self.pending, self.scheduled = loop, threading.Lock(), [], False
+
+    def wake(self, event):
+        with self.lock:
+            self.pending.append(event)
+            if self.scheduled:
+                return  # (the loop has yet to run the call scheduled for those before: it sets this one too)
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._set)
+        except RuntimeError:  # the loop has closed (the server stops): no later event waits for this one
+            with self.lock:
+                self.scheduled = False
+            raise
+
+    def _set(self):
+        with self.lock:
+            events, self.pending, self.scheduled = self.pending, [], False
+        for event in events:
+            event.set()
 
 
 class Choices:

@@ -4,6 +4,7 @@ this process (uvicorn in a thread) except where the process boundary is the poin
 small random character-level checkpoint, run in float32 so that the expected values computed here, with the
 model's plain forward, are exact to float32 rounding."""
 
+import asyncio
 import contextlib
 import json
 import os
@@ -766,6 +767,29 @@ def test_the_web_page_holds_a_conversation_with_a_chat_model(chat_server, browse
     browser.find_element(By.ID, "system").send_keys("Be brief.")
     say("Bye")
     assert turns(browser) == ["Bye", "Goodbye."]
+
+
+def test_the_events_of_one_engine_step_wake_the_loop_once_and_every_one_is_set():
+    """openai_api.Waker: 32 requests' events set from another thread (as the engine's step emits a token for each)
+    take one call into the loop; the next one, after the loop ran it, another."""
+    loop = asyncio.new_event_loop()
+    calls = []
+    call = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda f: calls.append(f) or call(f)
+    try:
+        waker = openai_api.Waker(loop)
+        events = [asyncio.Event() for _ in range(33)]
+        step = threading.Thread(target=lambda: [waker.wake(e) for e in events[:32]])
+        step.start()
+        step.join(timeout=10)
+        assert len(calls) == 1 and not any(e.is_set() for e in events)
+        loop.run_until_complete(asyncio.sleep(0))
+        assert all(e.is_set() for e in events[:32]) and not events[32].is_set()
+        waker.wake(events[32])
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(calls) == 2 and events[32].is_set()
+    finally:
+        loop.close()
 
 
 def test_bench_serve_clients_stream_what_the_server_generates(server):
