@@ -302,7 +302,7 @@ class Engine:
         generation = Generation(request, StreamText(self.tokenizer, request.stop, request.stop_tokens), notify,
                                 max_backlog)
         seed = request.seed if request.seed is not None else secrets.randbits(62)
-        generation.generator = torch.Generator(device=self.device).manual_seed(seed)
+        generation.generator = torch.Generator().manual_seed(seed)  # (on the host: see draw)
         generation.resume = self._wake
         with self.lock:
             if self.failure is not None or self.stopping:
@@ -444,8 +444,8 @@ class Engine:
                     sampling.append(g)
             except Exception as e:
                 self._fail(g, e)
-        self._sample(sampling, logits[:, -1].index_select(0, device_index([rows.index(g) for g in sampling],
-                                                                           logits.device)))
+        self._sample(sampling, logits[:, -1].index_select(0, to_device([rows.index(g) for g in sampling],
+                                                                       logits.device)))
 
     def _forward(self, rows, n):
         """The model's float32 logits (B, n or 1, vocab) for the next n tokens of each row (every position's when
@@ -457,7 +457,7 @@ class Engine:
                 pos[g.slot] = min(g.length, self.slots.length - 1)
             for g in rows:
                 idx[g.slot, 0] = g.todo[0]
-            logits = self.fixed_step(idx, pos).index_select(0, device_index([g.slot for g in rows], self.device))
+            logits = self.fixed_step(idx, pos).index_select(0, to_device([g.slot for g in rows], self.device))
         else:
             idx = torch.tensor([g.todo[:n] for g in rows], device=self.device)
             every = any(g.request.echo and g.echoed < g.prompt_tokens for g in rows)
@@ -543,7 +543,8 @@ class Engine:
 def draw(rows, logits):
     """The next token of each row (a Generation) from its logits (B, V): the rows with the same settings drawn
     together (model.sample_next), each with a uniform number from its own generator, so that a row draws what
-    it would draw alone."""
+    it would draw alone. The generators are the host's: on a GPU a row's number costs no kernel of its own, and
+    a seed draws the same numbers on every device."""
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     groups = collections.defaultdict(list)
     for i, g in enumerate(rows):
@@ -551,20 +552,20 @@ def draw(rows, logits):
     for (temperature, top_k, top_p), members in groups.items():
         u = None
         if temperature >= torch.finfo(torch.float32).tiny:  # (sample_next's greedy draws nothing)
-            u = torch.cat([torch.rand(1, 1, generator=rows[i].generator, device=logits.device) for i in members])
-        index = device_index(members, logits.device)
+            u = to_device(torch.cat([torch.rand(1, 1, generator=rows[i].generator) for i in members]), logits.device)
+        index = to_device(members, logits.device)
         tokens[index] = sample_next(logits[index], temperature, top_k, top_p, u=u)
     return tokens
 
 
-def device_index(values, device):
-    """values (ints) as a long tensor on device, without making the host wait for it: a list that indexes a CUDA
-    tensor, or a tensor made from one on it, is copied from pageable memory, which waits for every kernel queued
-    before (the whole decoding step); from pinned memory the copy is queued behind them instead."""
-    index = torch.tensor(values, dtype=torch.long)
+def to_device(values, device):
+    """A CPU tensor (or a list of ints: a long tensor) on device, without making the host wait for it: a list that
+    indexes a CUDA tensor, or a tensor made from one on it, is copied from pageable memory, which waits for every
+    kernel queued before (the whole decoding step); from pinned memory the copy is queued behind them instead."""
+    values = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
     if torch.device(device).type == "cuda":
-        return index.pin_memory().to(device, non_blocking=True)
-    return index.to(device)
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
 
 
 def scores(logprobs, token, k):
