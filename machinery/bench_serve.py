@@ -12,11 +12,11 @@ served by `python serve.py --init_from=DIR` in a process of its own, on 127.0.0.
    side and alternating: the generation engine as serve.py runs it (dtype as given: auto is bfloat16
    where the CPU computes it natively, else float32) and with int8 weights (--quantize=int8; with
    --compile=True also compiled, as sample.py --compile=True --quantize=int8 runs it; and its int8 products
-   alone, nothing else of a step: the kernel's bound), llama.cpp
-   (llama-cpp-python, torch's number of threads) on the same weights as GGUF files in Q8_0 and F16 (export.py
-   --to=gguf), and transformers' GPT2LMHeadModel.generate (its default float32, and the engine's dtype when
-   that is another); tokens/s, the median of `repeats` runs after `warmup`; and the memory bound: the
-   bytes of weights each row reads per token against the memory's read bandwidth, measured in the same run;
+   alone, nothing else of a step: the kernel's bound), llama.cpp (llama-cpp-python, torch's number of threads)
+   on the same weights as GGUF files in Q8_0 and F16 (export.py --to=gguf), and transformers'
+   GPT2LMHeadModel.generate (its default float32, and the engine's dtype when that is another); tokens/s, the
+   median of `repeats` runs after `warmup`; and the memory bound: the bytes of weights each row reads per token
+   against the memory's read bandwidth, measured in the same run;
 2. with --text (and --out_dir: a trained GPT-2 BPE checkpoint): bits per byte on that held-out text,
    eval.py --text in float32 and with --quantize=int8, and llama.cpp over the same windows in F32 and Q8_0;
 3. for each number of clients C: C streaming clients at once (asyncio + httpx), each asking for
@@ -87,9 +87,8 @@ def alternating(runs, warmup, repeats):
 def batch_one(cfg, hf_dir, model, device, dtype, workdir):
     """Greedy batch-1 tokens/s on device, alternating: our engine (as serve.py runs it) at dtype and, on the CPU,
     with int8 weights (--quantize=int8, the rest in dtype; with --compile=True also compiled; its products alone,
-    int8_products) and llama.cpp on
-    the same weights in Q8_0 and F16 (GGUF files of export.py --to=gguf), on CUDA in float32 too; transformers'
-    generate in float32 (and in dtype when that is another);
+    int8_products) and llama.cpp on the same weights in Q8_0 and F16 (GGUF files of export.py --to=gguf), on CUDA
+    in float32 too; transformers' generate in float32 (and in dtype when that is another);
     ({name: (tokens/s, bytes of weights read per token)}, the memory's read bandwidth in bytes/s: a sum over
     READ_BYTES of float32, timed in turn with the rows, so that it sees the same load)."""
     from transformers import GPT2LMHeadModel

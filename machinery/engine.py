@@ -437,15 +437,14 @@ class Engine:
             for g in rows:
                 self._feed([g], n)
             return
-        sampling = []
-        for g, row in zip(rows, logits):
+        sampling = []  # (the rows that sample next, by their index in rows)
+        for i, (g, row) in enumerate(zip(rows, logits)):
             try:
                 if self._took(g, n, row):
-                    sampling.append(g)
+                    sampling.append(i)
             except Exception as e:
                 self._fail(g, e)
-        self._sample(sampling, logits[:, -1].index_select(0, to_device([rows.index(g) for g in sampling],
-                                                                       logits.device)))
+        self._sample([rows[i] for i in sampling], logits[:, -1].index_select(0, to_device(sampling, logits.device)))
 
     def _forward(self, rows, n):
         """The model's float32 logits (B, n or 1, vocab) for the next n tokens of each row (every position's when

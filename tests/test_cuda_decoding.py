@@ -14,6 +14,8 @@ from test_serve import ckpt_dir  # noqa: F401 (a fixture: test_serve's random ch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+PROMPT = [1, 5, 9, 2, 7]
+
 
 def greedy(dtype, capture=True, device="cuda"):
     """60 greedy tokens of the engine's fixed step (the window of 32 slides) after PROMPT, and its runner."""
@@ -29,9 +31,6 @@ def uncached_logits(model, tokens, start, block_size):
     with torch.no_grad():
         return torch.stack([model(seq[:, max(0, t - block_size):t])[0][0, -1].float()
                             for t in range(start, len(tokens))])
-
-
-PROMPT = [1, 5, 9, 2, 7]
 
 
 def test_graph_decoding_gives_the_uncached_greedy_tokens_in_float32(tf32_off):
