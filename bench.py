@@ -38,9 +38,9 @@ hang up (machinery/bench_faults.py).
 
 mode=serve: serve.py under load (streaming clients at once: tokens/s, time to the first token, gaps between
 tokens; seeded requests at once against one at a time) and batch-1 decoding of the generation engine (also with
-int8 weights) against transformers' generate and llama.cpp (Q8_0, F16), on a random model of GPT-2's
-architecture, with the memory bound; with --text, bits per byte of a trained model (--out_dir) in float32, int8
-and llama.cpp's q8_0. See machinery/bench_serve.py.
+int8 weights) and of sample.py, whole process, against transformers' generate and llama.cpp (Q8_0, F16), on a
+random model of GPT-2's architecture, with the memory bound; with --text, bits per byte of a trained model
+(--out_dir) in float32, int8 and llama.cpp's q8_0. See machinery/bench_serve.py.
 
     python bench.py --mode=serve [--clients=1,8,32] [--serve_tokens=100] [--dtype=auto] [--device=cuda] [--out_dir=DIR --text=FILE]
 

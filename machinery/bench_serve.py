@@ -15,8 +15,9 @@ served by `python serve.py --init_from=DIR` in a process of its own, on 127.0.0.
    alone, nothing else of a step: the kernel's bound), llama.cpp (llama-cpp-python, torch's number of threads)
    on the same weights as GGUF files in Q8_0 and F16 (export.py --to=gguf), and transformers'
    GPT2LMHeadModel.generate (its default float32, and the engine's dtype when that is another); tokens/s, the
-   median of `repeats` runs after `warmup`; and the memory bound: the bytes of weights each row reads per token
-   against the memory's read bandwidth, measured in the same run;
+   median of `repeats` runs after `warmup`; then the command itself, `sample.py` greedy, a process a run
+   (sample_command: the tokens after its first SAMPLE_FEW); and the memory bound: the bytes of weights each row
+   reads per token against the memory's read bandwidth, measured in the same run;
 2. with --text (and --out_dir: a trained GPT-2 BPE checkpoint): bits per byte on that held-out text,
    eval.py --text in float32 and with --quantize=int8, and llama.cpp over the same windows in F32 and Q8_0;
 3. for each number of clients C: C streaming clients at once (asyncio + httpx), each asking for
@@ -53,6 +54,8 @@ from machinery.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE
 from model import GPT
 
 READ_BYTES = 1 << 29  # (512 MiB: far beyond any cache)
+SAMPLE_START = "The meaning of life is"  # sample.py's prompt in the whole-process row
+SAMPLE_FEW = 20  # that row times runs of SAMPLE_FEW and SAMPLE_FEW + n new tokens: the difference is n tokens
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -141,19 +144,61 @@ def batch_one(cfg, hf_dir, model, device, dtype, workdir):
     return rates, READ_BYTES / seconds["memory"]
 
 
-def engine_greedy(hf_dir, device, dtype, prompt, n, quantize=None, compile=False):
-    """A function that decodes n tokens greedily after prompt in our engine, the model loaded from hf_dir as
-    serve.py's build loads it (quantize, compile: as --quantize, --compile), with one row of KV cache as sample.py
-    makes for one sample (a fixed step, CUDA's, computes every row of the cache)."""
+def greedy_engine(hf_dir, device, dtype, quantize=None, compile=False):
+    """Our engine on the model in hf_dir, loaded as serve.py's build loads it (quantize, compile: as --quantize,
+    --compile), with one row of KV cache as sample.py makes for one sample (a fixed step, CUDA's, computes every
+    row of the cache); (the engine, the tokenizer)."""
     loaded = loading.load(loading.ModelSource(init_from=hf_dir), device, dtype)
     runner = engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype, compile, quantize),
                            loaded.tokenizer, loaded.device, max_batch=1, compile=compile)
+    return runner, loaded.tokenizer
+
+
+def engine_greedy(hf_dir, device, dtype, prompt, n, quantize=None, compile=False):
+    """A function that decodes n tokens greedily after prompt in our engine (greedy_engine's)."""
+    runner, _ = greedy_engine(hf_dir, device, dtype, quantize, compile)
 
     def run():
         g = runner.submit(engine.Request(prompt, max_tokens=n, temperature=0))
         while not g.done:
             runner.step()
     return run
+
+
+def sample_command(hf_dir, device, dtype, n, repeats):
+    """Greedy batch-1 tokens/s through the command, as a user runs it: `python sample.py --init_from=hf_dir
+    --num_samples=1 --temperature=0` (the rest at its defaults), a process a run; n tokens timed as the difference
+    of runs of SAMPLE_FEW and SAMPLE_FEW + n new tokens (start-up, loading and the CUDA graph's capture cancel),
+    the median of repeats pairs. (tokens/s, the sample the longer run printed)."""
+    def run(tokens):
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--init_from={hf_dir}",
+                               f"--device={device}", f"--dtype={dtype}", "--num_samples=1", "--temperature=0",
+                               f"--max_new_tokens={tokens}", f"--start={SAMPLE_START}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"sample.py failed: {proc.stderr[-2000:]}")
+        return time.perf_counter() - t0, proc.stdout
+    seconds = []
+    for _ in range(repeats):
+        (few, _), (more, out) = run(SAMPLE_FEW), run(SAMPLE_FEW + n)
+        seconds.append(more - few)
+    return n / statistics.median(seconds), out.removeprefix(SAMPLE_START).split("\n---------------\n")[0]
+
+
+def sample_text(hf_dir, device, dtype, n):
+    """The greedy continuation of SAMPLE_START that sample_command's longer run prints, made by our engine
+    in-process (the path sample.py runs); a RuntimeError when it ends before SAMPLE_FEW + n tokens (at
+    <|endoftext|>: the difference would not be n tokens)."""
+    runner, tokenizer = greedy_engine(hf_dir, device, dtype)
+    prompt = tokenizer.encode(SAMPLE_START)
+    g = runner.submit(engine.Request(prompt, max_tokens=SAMPLE_FEW + n, temperature=0,
+                                     stop_tokens=(GPT2_EOT,)))
+    runner.run([g])
+    if g.completion_tokens != SAMPLE_FEW + n:
+        raise RuntimeError(f"greedy decoding ends after {g.completion_tokens} tokens (<|endoftext|>), not "
+                           f"{SAMPLE_FEW + n}: sample.py's row would time fewer tokens; try another --seed")
+    return g.text.text
 
 
 def int8_products(model, n):
@@ -303,7 +348,7 @@ async def load(url, requests, tokens):
 def start_server(hf_dir, dtype, port, *settings):
     """serve.py on hf_dir in a process of its own (settings: more of its --key=value), once it listens."""
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), f"--init_from={hf_dir}",
-                             f"--dtype={dtype}", f"--port={port}", "--max_batch=64", "--device=cpu", *settings],
+                             f"--dtype={dtype}", f"--port={port}", "--device=cpu", *settings],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     for line in proc.stdout:  # (a warning may come first, e.g. about an emulated dtype)
@@ -334,7 +379,14 @@ def bench_serve(cfg, workdir):
     print(f"batch 1, greedy, {cfg.serve_tokens} new tokens after {cfg.prompt_len}, median of {cfg.repeats} "
           f"after {cfg.warmup} warm-up (alternating):", flush=True)
     rates, bandwidth = batch_one(cfg, hf_dir, model, device, dtype, workdir)
+    expected = sample_text(hf_dir, device, dtype, cfg.serve_tokens)
+    rate, text = sample_command(hf_dir, device, dtype, cfg.serve_tokens, cfg.repeats)
+    rates[f"sample.py, whole process ({dtype})"] = (rate, weight_bytes(model, dtype))
     print_batch_one(rates, bandwidth)
+    print(f"  sample.py: tokens {SAMPLE_FEW}-{SAMPLE_FEW + cfg.serve_tokens} of `sample.py --init_from=DIR "
+          f"--num_samples=1 --temperature=0 --start='{SAMPLE_START}'` (runs of {SAMPLE_FEW} and "
+          f"{SAMPLE_FEW + cfg.serve_tokens} new tokens, median of {cfg.repeats} pairs); its text the engine's "
+          f"greedy text: {'yes' if text == expected else 'NO'}", flush=True)
     bpb = bits_per_byte(cfg, workdir) if cfg.text else None
     port = free_port()
     server = start_server(hf_dir, dtype, port, f"--device={device}")

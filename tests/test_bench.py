@@ -13,7 +13,7 @@ import torch
 
 import bench
 from conftest import ROOT, assert_one_error_line, make_corpus, run_in_process
-from machinery import bench_chat, bench_prepare, bench_runs, chat, configurator, meta
+from machinery import bench_chat, bench_prepare, bench_runs, bench_serve, chat, configurator, meta
 from machinery.configurator import UserError
 from machinery.tokenizer import gpt2_encoding
 from model import GPT, GPTConfig
@@ -59,6 +59,41 @@ def test_sample_mode_reports_both_paths_and_identical_greedy_tokens(capsys, monk
                     for path, d in (("cached", c), ("uncached", u))]
     assert re.findall(r"^(cached|uncached) +(\S+)$", out, re.M) == [("cached", "20.0"), ("uncached", "5.0")]
     assert out.endswith("speed-up with the KV cache: 4.0x; greedy tokens identical: yes\n")
+
+
+def test_sample_py_is_timed_as_users_run_it_from_the_difference_of_two_runs(hf_dir, monkeypatch):
+    """bench.py --mode=serve's row "sample.py, whole process": greedy sample.py runs of SAMPLE_FEW and SAMPLE_FEW + n
+    new tokens, each a process, timed by their difference (the start-up cancels); the text it printed is
+    transformers' greedy continuation of the same prompt."""
+    from transformers import GPT2LMHeadModel
+
+    path, _ = hf_dir
+    n, few = 5, bench_serve.SAMPLE_FEW
+    readings = fake_clock(monkeypatch, [1.25, 2.0], module=bench_serve)  # the runs of few, then few + n tokens
+    rate, text = bench_serve.sample_command(str(path), "cpu", "float32", n, repeats=1)
+    assert len(readings) == 4 and rate == n / 0.75
+    enc = gpt2_encoding()
+    prompt = torch.tensor([enc.encode(bench_serve.SAMPLE_START)])
+    hf = GPT2LMHeadModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        ids = hf.generate(prompt, max_new_tokens=few + n, do_sample=False, pad_token_id=50256)[0, prompt.size(1):]
+    assert 50256 not in ids.tolist() and text == enc.decode(ids.tolist())
+    assert bench_serve.sample_text(str(path), "cpu", "float32", n) == text  # the engine's, in-process
+
+
+def test_sample_py_row_refuses_a_model_that_stops_early(tmp_path):
+    """A greedy decode that reaches <|endoftext|> before SAMPLE_FEW + n tokens would time fewer tokens than it
+    claims: the row stops with the reason."""
+    from conftest import hf_model
+
+    model = hf_model()
+    with torch.no_grad():  # the last LayerNorm's output, whatever its input: <|endoftext|>'s embedding, so it wins
+        model.transformer.wte.weight[50256] *= 10
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.copy_(model.transformer.wte.weight[50256])
+    model.save_pretrained(tmp_path)
+    with pytest.raises(RuntimeError, match=r"greedy decoding ends after [01] tokens \(<\|endoftext\|>\), not 25"):
+        bench_serve.sample_text(str(tmp_path), "cpu", "float32", 5)
 
 
 def test_train_mode_reads_a_training_config_file(capsys, monkeypatch):
