@@ -295,6 +295,21 @@ def test_train_py_trains_from_a_small_corpus(small_prepared, tmp_path):
     assert (tmp_path / "out" / "ckpt.pt").is_file()
 
 
+def test_openwebtext_from_a_directory_is_the_same_corpus_under_its_name(small_prepared, tmp_path):
+    """`prepare.py openwebtext --input DIR` (the dataset of config/train_gpt2.py and train.py's default): the
+    same shards as fineweb_edu's from the same documents, under its own name, and train.py finds them by it."""
+    out, _ = small_prepared
+    data = tmp_path / "data"
+    run_in_process(prepare_script.main, "openwebtext", "--input", out.parent.parent / "in", "--data_dir", data,
+                   "--num_proc", "1", check=True)
+    files = shard_files(data / "openwebtext")
+    assert [p.name for p in files] == ["openwebtext_val_000000.bin", "openwebtext_train_000001.bin"]
+    assert [read_shard(p) for p in files] == [read_shard(p) for p in shard_files(out)]
+    proc = train(*tiny_train_args(data, tmp_path / "out", dataset="openwebtext", max_iters=1, eval_interval=1,
+                                  lr_decay_iters=1, warmup_iters=0))
+    assert re.findall(r"^step (\d+): train loss", proc.stdout, re.M) == ["0", "1"], proc.stdout
+
+
 @pytest.mark.parametrize("shard_of, lengths", [
     ((19, 20), lambda total, val, shard: [val, total - val]),  # train fits in one shard
     ((2, 3), lambda total, val, shard: [val, shard, total - val - shard]),  # train fills one and some
