@@ -378,8 +378,8 @@ def bench_serve(cfg, workdir):
           flush=True)
     print(f"batch 1, greedy, {cfg.serve_tokens} new tokens after {cfg.prompt_len}, median of {cfg.repeats} "
           f"after {cfg.warmup} warm-up (alternating):", flush=True)
+    expected = sample_text(hf_dir, device, dtype, cfg.serve_tokens)  # (first: a model that stops early stops here)
     rates, bandwidth = batch_one(cfg, hf_dir, model, device, dtype, workdir)
-    expected = sample_text(hf_dir, device, dtype, cfg.serve_tokens)
     rate, text = sample_command(hf_dir, device, dtype, cfg.serve_tokens, cfg.repeats)
     rates[f"sample.py, whole process ({dtype})"] = (rate, weight_bytes(model, dtype))
     print_batch_one(rates, bandwidth)
