@@ -169,7 +169,8 @@ def sample_command(hf_dir, device, dtype, n, repeats):
     """Greedy batch-1 tokens/s through the command, as a user runs it: `python sample.py --init_from=hf_dir
     --num_samples=1 --temperature=0` (the rest at its defaults), a process a run; n tokens timed as the difference
     of runs of SAMPLE_FEW and SAMPLE_FEW + n new tokens (start-up, loading and the CUDA graph's capture cancel),
-    the median of repeats pairs. (tokens/s, the sample the longer run printed)."""
+    the median of repeats pairs (NaN when that is not positive: n too few to outweigh the start-up's noise).
+    (tokens/s, the sample the longer run printed)."""
     def run(tokens):
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--init_from={hf_dir}",
@@ -183,7 +184,8 @@ def sample_command(hf_dir, device, dtype, n, repeats):
     for _ in range(repeats):
         (few, _), (more, out) = run(SAMPLE_FEW), run(SAMPLE_FEW + n)
         seconds.append(more - few)
-    return n / statistics.median(seconds), out.removeprefix(SAMPLE_START).split("\n---------------\n")[0]
+    median = statistics.median(seconds)
+    return n / median if median > 0 else math.nan, out.removeprefix(SAMPLE_START).split("\n---------------\n")[0]
 
 
 def sample_text(hf_dir, device, dtype, n):

@@ -3,6 +3,7 @@ measured."""
 
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -79,6 +80,10 @@ def test_sample_py_is_timed_as_users_run_it_from_the_difference_of_two_runs(hf_d
         ids = hf.generate(prompt, max_new_tokens=few + n, do_sample=False, pad_token_id=50256)[0, prompt.size(1):]
     assert 50256 not in ids.tolist() and text == enc.decode(ids.tolist())
     assert bench_serve.sample_text(str(path), "cpu", "float32", n) == text  # the engine's, in-process
+    # a longer run that took less time than the shorter (start-up noise against too few tokens): no rate
+    monkeypatch.setattr(bench_serve.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "x", ""))
+    fake_clock(monkeypatch, [1.0, 1.0, 2.0, 1.5, 1.5, 1.25], module=bench_serve)
+    assert math.isnan(bench_serve.sample_command(str(path), "cpu", "float32", n, repeats=3)[0])
 
 
 def test_sample_py_row_refuses_a_model_that_stops_early(tmp_path):
