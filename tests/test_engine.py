@@ -1,6 +1,9 @@
 """The generation engine (machinery/engine.py): streamed text, stop texts, and a request's tokens that do not
 depend on what else runs."""
 
+import contextlib
+import types
+
 import pytest
 import torch
 
@@ -243,6 +246,65 @@ def test_a_compiled_fixed_step_is_one_graph_whatever_the_lengths(eager_dynamo):
             expected[r]
         graphs.append(eager_dynamo["stats"]["unique_graphs"])
     assert graphs == [1, 1], graphs
+
+
+def cuda_stand_ins(monkeypatch):
+    """The CUDA calls of FixedStep's capture, stood in for on the CPU: the streams set current are recorded."""
+    set_streams = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_stream", set_streams.append)
+    return set_streams
+
+
+def fixed_greedy(runner, capture):
+    """Greedy tokens of two requests in turn through a fixed engine whose step captures (as on CUDA) or not."""
+    runner.fixed_step.capture = capture
+    return [run(runner, [engine.Request(p, max_tokens=12, temperature=0)]) for p in ([1, 5, 9], [2, 7])]
+
+
+def test_a_failed_graph_capture_puts_the_stream_back_and_decodes_eagerly(monkeypatch, capsys):
+    """Where CUDA cannot capture the decoding step (a kernel that cannot be captured, a model that did not
+    compile), the step says so once, makes current again the stream that the failed capture may have left
+    current, and runs eagerly: the tokens of an engine that never captures."""
+    expected = fixed_greedy(engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2,
+                                          fixed=True), capture=False)
+    set_streams = cuda_stand_ins(monkeypatch)
+
+    def fail():
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+    runner = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2, fixed=True)
+    monkeypatch.setattr(runner.fixed_step, "_capture", fail)
+    assert fixed_greedy(runner, capture=True) == expected
+    assert set_streams == ["stream of cpu"] and runner.fixed_step.graph is None
+    assert capsys.readouterr().err == ("note: the decoding step runs eagerly, without a CUDA graph (RuntimeError: "
+                                       "operation not permitted when stream is capturing)\n")
+
+
+def test_a_captured_step_reads_its_inputs_from_the_buffers_it_was_captured_on(monkeypatch):
+    """A CUDA graph replays the kernels it captured on the same memory: the step's tokens and positions must go
+    into the buffers the capture saw, and its logits be read from the buffer the capture wrote. A stand-in graph
+    with those semantics (it computes again into the captured output from the captured inputs) gives the tokens
+    of an engine that never captures."""
+    expected = fixed_greedy(engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2,
+                                          fixed=True), capture=False)
+    cuda_stand_ins(monkeypatch)
+    runner = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2, fixed=True)
+    step, replays = runner.fixed_step, []
+
+    def capture():
+        captured = step.idx, step.fixed.pos
+        step.logits = step._run()
+
+        def replay():  # on the captured tensors, whatever the step holds now
+            now, (step.idx, step.fixed.pos) = (step.idx, step.fixed.pos), captured
+            step.logits.copy_(step._run())
+            step.idx, step.fixed.pos = now
+            replays.append(1)
+        step.graph = types.SimpleNamespace(replay=replay)
+    monkeypatch.setattr(step, "_capture", capture)
+    assert fixed_greedy(runner, capture=True) == expected
+    assert len(replays) == 2 * 11  # every decoding step but each request's first token (from its prompt pass)
 
 
 def test_stop_texts_stop_tokens_and_max_tokens_end_a_generation_with_its_reason():
