@@ -257,6 +257,11 @@ def cuda_stand_ins(monkeypatch):
     return set_streams
 
 
+def fixed_engine():
+    """An engine that decodes in fixed steps (CUDA's way), on the CPU: 2 rows of a small float32 model."""
+    return engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2, fixed=True)
+
+
 def fixed_greedy(runner, capture):
     """Greedy tokens of two requests in turn through a fixed engine whose step captures (as on CUDA) or not."""
     runner.fixed_step.capture = capture
@@ -267,13 +272,12 @@ def test_a_failed_graph_capture_puts_the_stream_back_and_decodes_eagerly(monkeyp
     """Where CUDA cannot capture the decoding step (a kernel that cannot be captured, a model that did not
     compile), the step says so once, makes current again the stream that the failed capture may have left
     current, and runs eagerly: the tokens of an engine that never captures."""
-    expected = fixed_greedy(engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2,
-                                          fixed=True), capture=False)
+    expected = fixed_greedy(fixed_engine(), capture=False)
     set_streams = cuda_stand_ins(monkeypatch)
 
     def fail():
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
-    runner = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2, fixed=True)
+    runner = fixed_engine()
     monkeypatch.setattr(runner.fixed_step, "_capture", fail)
     assert fixed_greedy(runner, capture=True) == expected
     assert set_streams == ["stream of cpu"] and runner.fixed_step.graph is None
@@ -286,10 +290,9 @@ def test_a_captured_step_reads_its_inputs_from_the_buffers_it_was_captured_on(mo
     into the buffers the capture saw, and its logits be read from the buffer the capture wrote. A stand-in graph
     with those semantics (it computes again into the captured output from the captured inputs) gives the tokens
     of an engine that never captures."""
-    expected = fixed_greedy(engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2,
-                                          fixed=True), capture=False)
+    expected = fixed_greedy(fixed_engine(), capture=False)
     cuda_stand_ins(monkeypatch)
-    runner = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2, fixed=True)
+    runner = fixed_engine()
     step, replays = runner.fixed_step, []
 
     def capture():
