@@ -11,14 +11,17 @@ compared with our model.
 """
 
 import contextlib
+import importlib.util
 import io
 import math
+import os
 import random
+import signal
+import subprocess
 import sys
+from pathlib import Path
 
 import gguf
-import llama_cpp
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -27,35 +30,24 @@ import torch.nn.functional as F
 from conftest import TAUGHT, WORDS, assert_one_error_line, perturb, run_in_process, tiny_train_args
 from conftest import train as train_in_process
 import export
+import llama_side
 from machinery import bench_serve, chat, checkpoint, gguf_export, quantize, scoring
 from machinery.meta import DatasetMeta
 from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig
+from native import in_child
 import train
 
+needs_llama = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                 reason="llama-cpp-python is not installed: bash .ci/install-llama-cpp")
 
 TEXTS = ["ROMEO: What light through yonder window breaks?", "héllo — 你好世界 🚀 café\u0301 нещо",
          "  \n\n\t  x   y\t\t\n   \n", "the end<|endoftext|>A new one <|endoftext|>\n"]
 
 
-@contextlib.contextmanager
-def llama(path, n_ctx):
-    """The GGUF file at path loaded by llama.cpp: float32 KV cache (its default, float16, would round the keys
-    and values), every position's logits, 2 threads."""
-    with contextlib.redirect_stderr(io.StringIO()):  # (llama.cpp's notes)
-        llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=2, logits_all=True, verbose=False,
-                              type_k=gguf.GGMLQuantizationType.F32, type_v=gguf.GGMLQuantizationType.F32)
-    try:
-        yield llm
-    finally:
-        llm.close()
-
-
-def llama_logits(llm, ids):
-    """llama.cpp's logits (len(ids), vocab) of every position of ids, from an empty cache."""
-    llm.reset()
-    llm.eval(ids)
-    return torch.from_numpy(np.array(llm.scores[:len(ids)]))
+def in_llama(function, *args):
+    """llama_side.function(*args), run by llama.cpp in a child process (a crash there fails this test alone)."""
+    return in_child("llama.cpp (llama-cpp-python)", function, *args)
 
 
 def checkpoint_of(model, out_dir, data_meta):
@@ -74,6 +66,7 @@ class TableGELU(nn.Module):
         return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
 
 
+@needs_llama
 @pytest.mark.parametrize("bias, mlp_ratio", [(True, 4), (False, 3)])
 def test_f32_logits_are_ours_in_llama_cpp(tmp_path, bias, mlp_ratio):
     """A random model exported as a user does; every position's logits of a 48-token text. Its matrices keep
@@ -94,9 +87,9 @@ def test_f32_logits_are_ours_in_llama_cpp(tmp_path, bias, mlp_ratio):
     out = checkpoint_of(ours, tmp_path / "out", DatasetMeta.gpt2())
     run_in_process(export.main, f"--out_dir={out}", "--to=gguf", "--outtype=f32", tmp_path / "m.gguf", check=True)
     idx = torch.randint(0, 50257, (48,), generator=torch.Generator().manual_seed(4)).tolist()
-    with llama(tmp_path / "m.gguf", 48) as llm:
-        assert llm.n_vocab() == 50304
-        theirs = llama_logits(llm, idx)
+    n_vocab, theirs = in_llama(llama_side.vocab_and_logits, tmp_path / "m.gguf", idx)
+    assert n_vocab == 50304
+    theirs = torch.from_numpy(theirs)
     with torch.no_grad():
         exact = ours(torch.tensor([idx]), every_position=True)[0][0]
         for block in ours.blocks:
@@ -109,6 +102,7 @@ def test_f32_logits_are_ours_in_llama_cpp(tmp_path, bias, mlp_ratio):
     torch.testing.assert_close(theirs, exact, atol=1e-3, rtol=0)
 
 
+@needs_llama
 def test_the_tokenizer_inside_the_file_is_ours(tmp_path):
     """llama.cpp's tokenizer, read from the file, against tiktoken's GPT-2: Unicode, whitespace runs,
     <|endoftext|> (a special token where specials are parsed); and back to the same text."""
@@ -117,12 +111,12 @@ def test_the_tokenizer_inside_the_file_is_ours(tmp_path):
                         tmp_path / "out", DatasetMeta.gpt2())
     run_in_process(export.main, f"--out_dir={out}", "--to=gguf", tmp_path / "m.gguf", check=True)  # (f16)
     ours = GPT2Tokenizer()
-    with llama(tmp_path / "m.gguf", 16) as llm:
-        for text in TEXTS:
-            assert llm.tokenize(text.encode(), add_bos=False, special=True) == ours.encode_with_specials(text), text
-            assert llm.tokenize(text.encode(), add_bos=False, special=False) == ours.encode(text), text
-            assert llm.detokenize(ours.encode(text)).decode() == text
-        assert llm.token_eos() == llm.token_bos() == 50256
+    specials, plain, texts, eos, bos = in_llama(llama_side.tokenizer, tmp_path / "m.gguf", TEXTS,
+                                                [ours.encode(text) for text in TEXTS])
+    assert specials == [ours.encode_with_specials(text) for text in TEXTS]
+    assert plain == [ours.encode(text) for text in TEXTS]
+    assert texts == TEXTS
+    assert eos == bos == 50256
 
 
 # ---------------------------------------------------------------------- a trained model
@@ -156,6 +150,7 @@ def export_gguf(out, outtype, path):
     return path
 
 
+@needs_llama
 def test_f16_greedy_tokens_are_ours_for_100_steps(tmp_path, trained):
     """100 greedy tokens from a prompt (as bench.py --mode=serve decodes in llama.cpp: its default float16 KV
     cache), and the greedy choice at each of the 127 positions of held-out text: llama.cpp reading float16
@@ -166,24 +161,24 @@ def test_f16_greedy_tokens_are_ours_for_100_steps(tmp_path, trained):
         expected = model.generate(torch.tensor([prompt]), 100, temperature=0)[0, len(prompt):].tolist()
         ours = model(torch.tensor([held_out[:128]]), every_position=True)[0][0]
     path = export_gguf(out, "f16", tmp_path / "m.gguf")
-    greedy = bench_serve.llama_cpp_greedy(str(path), prompt, 100, threads=2)()
-    with llama(path, 128) as llm:
-        theirs = llama_logits(llm, held_out[:128])[:, :model.config.vocab_size]
+    greedy, theirs = in_llama(llama_side.greedy_and_logits, path, prompt, 100, held_out[:128])
+    theirs = torch.from_numpy(theirs)[:, :model.config.vocab_size]
     assert len(set(expected)) > 20  # varied: the model goes through the cycle's words
     assert greedy == expected
     assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
     torch.testing.assert_close(theirs, ours, atol=1e-2, rtol=0)
 
 
+@needs_llama
 def test_q8_0_perplexity_on_held_out_text_is_within_1_percent_of_float32(tmp_path, trained):
     """Over eval.py --text's windows (scoring.text_loss: 3 windows of the 300 held-out tokens), as bench.py
     --mode=serve measures llama.cpp's bits per byte."""
     out, model, held_out = trained
     nats, count = scoring.text_loss(model, held_out, "cpu")
     ours = math.exp(nats / count)
-    perplexities = {outtype: math.exp(bench_serve.llama_cpp_text_loss(
-        str(export_gguf(out, outtype, tmp_path / f"{outtype}.gguf")), held_out, 128, threads=2) / count)
-        for outtype in ("f32", "q8_0")}
+    paths = [export_gguf(out, outtype, tmp_path / f"{outtype}.gguf") for outtype in ("f32", "q8_0")]
+    perplexities = dict(zip(("f32", "q8_0"), (math.exp(nats / count) for nats in
+                                             in_llama(llama_side.text_losses, paths, held_out, 128))))
     assert ours < 100  # trained: far below the 50257 of a uniform guess
     assert abs(perplexities["f32"] / ours - 1) < 1e-4, (ours, perplexities)
     assert abs(perplexities["q8_0"] / ours - 1) < 0.01, (ours, perplexities)
@@ -245,6 +240,7 @@ def test_what_gguf_cannot_hold_is_refused_in_one_line_and_nothing_is_written(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["char", "good", "qk", "taken.gguf"]  # no temporaries
 
 
+@needs_llama
 def test_a_chat_model_answers_in_llama_cpp_through_its_template_and_stops_at_its_end_of_turn(tmp_path,
                                                                                             taught_chat_dir):
     """A chat model's file holds its format: the special tokens (control tokens: tokenized as ours where specials
@@ -254,11 +250,72 @@ def test_a_chat_model_answers_in_llama_cpp_through_its_template_and_stops_at_its
     path = tmp_path / "chat.gguf"
     run_in_process(export.main, f"--out_dir={taught_chat_dir}", "--to=gguf", "--outtype=f32", path, check=True)
     tok = chat.tokenizer()
-    with llama(path, 64) as llm:
-        assert llm.metadata["tokenizer.chat_template"] == chat.jinja_template(mask=False)
-        assert int(llm.metadata["tokenizer.ggml.eot_token_id"]) == chat.stop_token()
-        for messages, reply in TAUGHT:
-            ids, _ = chat.encode(tok, messages + [{"role": "assistant", "content": reply}])
-            assert llm.tokenize(tok.decode(ids).encode(), add_bos=False, special=True) == ids
-            answer = llm.create_chat_completion(messages=messages, temperature=0, max_tokens=20)["choices"][0]
-            assert (answer["message"]["content"], answer["finish_reason"]) == (reply, "stop")
+    whole = [chat.encode(tok, messages + [{"role": "assistant", "content": reply}])[0] for messages, reply in TAUGHT]
+    template, end_of_turn, tokenized, answers = in_llama(llama_side.chat, path, 64, [tok.decode(ids) for ids in whole],
+                                                         [messages for messages, _ in TAUGHT])
+    assert template == chat.jinja_template(mask=False)
+    assert end_of_turn == chat.stop_token()
+    assert tokenized == whole
+    assert answers == [(reply, "stop") for _, reply in TAUGHT]
+
+
+# ---------------------------------------------------------------------- a crash in llama.cpp
+
+CRASHES = """
+import ctypes
+import os
+import signal
+
+from native import in_child
+
+
+def illegal_instruction():  # as llama.cpp's AMX kernels die on a CPU that will not run them
+    os.kill(os.getpid(), signal.SIGILL)
+
+
+def null_pointer():  # a real fault inside native code: libc reads address 0
+    return ctypes.string_at(0)
+
+
+def raises():
+    raise ValueError("a bad file")
+
+
+def answers():
+    return [1, 2, 3]
+
+
+def test_sigill():
+    in_child("llama.cpp (llama-cpp-python)", illegal_instruction)
+
+
+def test_segfault():
+    in_child("llama.cpp (llama-cpp-python)", null_pointer)
+
+
+def test_an_exception():
+    in_child("llama.cpp (llama-cpp-python)", raises)
+
+
+def test_the_next_one():
+    assert in_child("llama.cpp (llama-cpp-python)", answers) == [1, 2, 3]
+"""
+
+
+def test_a_crash_in_llama_cpp_fails_its_test_in_one_line_naming_the_signal_and_the_suite_goes_on(tmp_path):
+    """A pytest run of tests whose llama.cpp side dies of SIGILL, of SIGSEGV (a real fault in native code) or
+    raises: each fails alone (the crashes with one line naming the library and the signal, the exception with
+    the child's traceback), and the test after them runs and passes."""
+    (tmp_path / "test_crashes.py").write_text(CRASHES)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), COLUMNS="1000")  # (summary lines uncut)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_crashes.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
+    assert proc.stdout.splitlines()[-1].startswith("3 failed, 1 passed"), proc.stdout + proc.stderr
+    assert summary[:2] == [
+        "FAILED test_crashes.py::test_sigill - Failed: llama.cpp (llama-cpp-python) crashed the process it ran in: "
+        f"killed by SIGILL ({signal.strsignal(signal.SIGILL)})",
+        "FAILED test_crashes.py::test_segfault - Failed: llama.cpp (llama-cpp-python) crashed the process it ran in: "
+        f"killed by SIGSEGV ({signal.strsignal(signal.SIGSEGV)})"], proc.stdout
+    assert summary[2].startswith("FAILED test_crashes.py::test_an_exception - RuntimeError: llama.cpp"), proc.stdout
+    assert "ValueError: a bad file" in proc.stdout
