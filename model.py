@@ -247,28 +247,61 @@ class GPT(nn.Module):
         return flops_per_token * T * fwdbwd_per_iter / dt / peak_flops
 
     @classmethod
-    def from_pretrained(cls, name_or_path, override_args=None):
+    def from_pretrained(cls, name_or_path, override_args=None, initialise=True):
         """GPT-2's weights, as nanoGPT's GPT.from_pretrained("gpt2", dict(dropout=0.1)): gpt2 ... gpt2-xl from the local
-        Hugging Face cache, or a Hugging Face GPT-2 directory. ValueError says what is wrong with the name or files."""
+        Hugging Face cache, or a Hugging Face GPT-2 directory. ValueError says what is wrong with the name or files.
+        initialise=False: built with_weights, without nanoGPT's random initial weights (faster; torch's random
+        stream left as it was)."""
         override_args = dict(override_args or {})
         if set(override_args) - {"dropout"}:
             raise ValueError(f"override_args may only set dropout, got {sorted(override_args)}")
         directory = find_gpt2(name_or_path)
-        model = cls(gpt2_config(directory, override_args.get("dropout", 0.0)))
-        model.load_weights(from_gpt2_layout(read_gpt2_weights(directory), conv1d=True, source=directory))
+        config = gpt2_config(directory, override_args.get("dropout", 0.0))
+        state = from_gpt2_layout(read_gpt2_weights(directory), conv1d=True, source=directory)
+        if not initialise:
+            return cls.with_weights(config, state)
+        model = cls(config)
+        model.load_weights(state)
         return model
 
-    def load_weights(self, state):
+    @classmethod
+    def with_weights(cls, config, state):
+        """A GPT of config holding the weights of state (our layout, as load_weights takes it), built without
+        drawing initial weights that loading would overwrite (a third of a GPT-2's loading time): its modules are
+        made on the meta device, and state's tensors become its parameters (in float32; as they are otherwise, a
+        transposed view included: what converts them next, to another dtype or a packed layout, copies them)."""
+        with torch.device("meta"), SkipInit():
+            model = cls(config)
+        model.load_weights({k: v.float() for k, v in state.items()}, assign=True)
+        model.lm_head.weight = model.tok_emb.weight  # (assigning replaced the tied Parameter)
+        return model
+
+    def load_weights(self, state, assign=False):
         """Copy in a state dict of our layout (with or without torch.compile's `_orig_mod.` prefixes and the tied
-        lm_head); ValueError when it does not fit this model."""
+        lm_head), or with assign take its tensors as the parameters; ValueError when it does not fit this model."""
         try:
             missing, unexpected = self.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state.items()},
-                                                       strict=False)
+                                                       strict=False, assign=assign)
         except RuntimeError as e:  # its last line names the last weight of the wrong shape
             raise ValueError(f"the weights do not fit the model: {str(e).strip().splitlines()[-1].strip()}") from None
         missing = [k for k in missing if k != "lm_head.weight"]  # tied to tok_emb.weight
         if missing or unexpected:
             raise ValueError(f"the weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+class SkipInit(torch.overrides.TorchFunctionMode):
+    """Inside it (and torch.device("meta")), modules are made without filling their weights: torch.nn.init's
+    functions and the in-place fills they use return their tensor as it is (normal_ on the meta device would
+    import TorchDynamo, a second, to do nothing)."""
+
+    FILLS = {"normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_", "zeros_", "ones_", "constant_", "zero_", "fill_"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in self.FILLS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
 
 
 class KVCache:

@@ -33,7 +33,7 @@ import torch
 from machinery import convert, lora, meta
 from machinery.errors import UserError, first_line
 from machinery.fileio import atomic_write
-from model import GPT, GPTConfig
+from model import GPTConfig
 
 LATEST = "ckpt.pt"
 BEST = "best.pt"
@@ -61,13 +61,12 @@ class Checkpoint:
         return config
 
     def build_model(self):
-        """A GPT with the checkpoint's weights, on the CPU (a LoRA run's: its base with the adapters merged in)."""
+        """A GPT with the checkpoint's weights, on the CPU (a LoRA run's: its base with the adapters merged in),
+        built without drawing initial weights first (convert.with_weights)."""
         if self.lora_record:
             base = lora.build_base(self.lora_record, self.model_config, self.path)
             return lora.merge(lora.load_adapters(base, self.lora_record, self.adapters, self.path))
-        model = GPT(self.model_config)
-        self.load_weights(model)
-        return model
+        return convert.with_weights(self.model_config, self._state["model"])
 
     def load_weights(self, model):
         """Put the checkpoint's weights into model (a LoRA run's: its base's, and the adapters, unmerged)."""

@@ -36,6 +36,15 @@ def load_weights(model, state):
         raise UserError(f"the checkpoint's {e}") from None
 
 
+def with_weights(config, state):
+    """A GPT of config holding a checkpoint's state dict (GPT.with_weights: no initial weights drawn), with a
+    one-line error when it does not fit."""
+    try:
+        return GPT.with_weights(config, state)
+    except ValueError as e:
+        raise UserError(f"the checkpoint's {e}") from None
+
+
 def from_gpt2_layout(state, conv1d, source):
     """Our state dict from a Hugging Face (conv1d=True) or nanoGPT (conv1d=False) one (model.from_gpt2_layout),
     with one-line errors."""
@@ -64,11 +73,12 @@ def find_pretrained(name_or_path):
         raise UserError(f"init_from: {e}") from None
 
 
-def load_hf(name_or_path, dropout=0.0):
+def load_hf(name_or_path, dropout=0.0, initialise=True):
     """GPT.from_pretrained (gpt2 ... gpt2-xl from the local Hugging Face cache, or a directory with config.json
-    and model.safetensors or pytorch_model.bin; no download, no `transformers`), with one-line errors."""
+    and model.safetensors or pytorch_model.bin; no download, no `transformers`), with one-line errors.
+    initialise=False: without drawing initial weights first (for inference; training draws them, as nanoGPT)."""
     try:
-        return GPT.from_pretrained(name_or_path, dict(dropout=dropout))
+        return GPT.from_pretrained(name_or_path, dict(dropout=dropout), initialise)
     except ValueError as e:
         raise UserError(str(e)) from None
 

