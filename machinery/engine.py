@@ -213,44 +213,95 @@ class StreamText:
         return new
 
 
-class PackedLinear(nn.Module):
-    """An nn.Linear whose weight is prepacked for oneDNN (the CPU's inference format): the same products,
-    faster at the few rows of decoding (BENCHMARKS.md), and a row's result does not depend on the other rows.
-    Fewer than MIN_ROWS rows are computed as the first rows of MIN_ROWS: oneDNN takes another algorithm for
-    a single row (other rounding, e.g. for GPT-2's 3072 -> 768), and its kernel is fastest at 4 rows
-    (measured: bfloat16 16.5 ms against 19.3 for one row, float32 25.5 against 30.5, GPT-2 124M's matrices)."""
+class RowsLinear(nn.Module):
+    """An nn.Linear as the engine runs it on the CPU, where a kernel may take another algorithm for fewer rows
+    (another rounding: oneDNN's float32 product of a single row of 3072 -> 768, float16's of one row where the
+    CPU has AVX-512 FP16): fewer than min_rows rows are computed as the first rows of min_rows. min_rows is
+    MIN_ROWS unless calibrate() measured that a lone row gives the same result unpadded."""
 
     MIN_ROWS = 4
 
     def __init__(self, linear):
         super().__init__()
-        self.weight = linear.weight  # (kept for its dtype and shape; tied to the token embedding in lm_head)
+        self.weight = linear.weight  # (tied to the token embedding in lm_head)
         self.bias = linear.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.min_rows = self.MIN_ROWS
+
+    def product(self, x):
+        return F.linear(x, self.weight, self.bias)
 
     def forward(self, x):
         rows = x.shape[:-1].numel()
-        if rows >= self.MIN_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        padded = torch.cat([x.reshape(rows, -1), x.new_zeros(self.MIN_ROWS - rows, x.size(-1))])
-        y = torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")
-        return y[:rows].reshape(*x.shape[:-1], -1)
+        if rows >= self.min_rows:
+            return self.product(x)
+        padded = torch.cat([x.reshape(rows, -1), x.new_zeros(self.min_rows - rows, x.size(-1))])
+        return self.product(padded)[:rows].reshape(*x.shape[:-1], -1)
+
+
+class PackedLinear(RowsLinear):
+    """A RowsLinear whose weight is prepacked for oneDNN (the CPU's inference format): the same products, faster
+    at the few rows of decoding (BENCHMARKS.md), and oneDNN's kernel is fastest at 4 rows (measured on AMD:
+    bfloat16 16.5 ms against 19.3 for one row, float32 25.5 against 30.5, GPT-2 124M's matrices; where the CPU
+    has AMX a bfloat16 row alone is as fast, and calibrate leaves it unpadded: a millisecond a token)."""
+
+    def __init__(self, linear):
+        super().__init__(linear)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+
+    def product(self, x):
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+@torch.inference_mode()
+def calibrate(model, most):
+    """The most rows (up to most) that one decoding pass of model may hold on this CPU with each row's result
+    the one it gets alone, measured on the model's RowsLinear layers; each one's min_rows set on the way.
+    oneDNN picks its algorithm by the number of rows, and algorithms round differently: on a CPU with AMX,
+    bfloat16 products of GPT-2's shapes are computed one way up to 32 rows and another (AMX tiles) beyond, and
+    some shapes switch at 9 rows. One random row repeated n times gives n times the row's own result exactly
+    when the algorithm for n rows rounds as the one for a row alone (an algorithm that sums in another order
+    changes some of the bits). Shapes are measured once each; a few milliseconds a shape and row count."""
+    limit, measured = most, {}
+    for m in model.modules():
+        if isinstance(m, RowsLinear):
+            key = (type(m), tuple(m.weight.shape), m.weight.dtype, m.bias is not None)
+            if key not in measured:
+                measured[key] = _rows_alone(m, most)
+            m.min_rows = measured[key][0]
+            limit = min(limit, measured[key][1])
+    return limit
+
+
+def _rows_alone(linear, most):
+    """(min_rows, the most rows up to most whose product gives each row its result alone) of a RowsLinear."""
+    row = torch.randn(1, linear.weight.size(1), generator=torch.Generator().manual_seed(0)).to(linear.weight.dtype)
+    linear.min_rows = RowsLinear.MIN_ROWS
+    alone = linear(row)
+    linear.min_rows = 1
+    if not torch.equal(linear(row), alone):
+        linear.min_rows = RowsLinear.MIN_ROWS
+    for n in range(2, most + 1):
+        if not torch.equal(linear(row.expand(n, -1).contiguous()), alone.expand(n, -1)):
+            return linear.min_rows, n - 1
+    return linear.min_rows, most
 
 
 def prepare(model, device, dtype, compile=False, quantize=None):
     """The model ready to decode on device in dtype ("float32", "bfloat16", "float16"): in eval mode, its
-    weights in dtype, and on the CPU its linear layers prepacked where that is faster (can_pack). compile: the
+    weights in dtype, and on the CPU its linear layers RowsLinear, prepacked where that is faster (can_pack),
+    which the Engine calibrates (how many rows a pass may hold, whether a lone row is padded). compile: the
     engine will compile it (Engine(compile=True)), so nothing is prepacked: inductor packs weights itself
     (whether a row's result then depends on the others is up to its kernels). quantize="int8": int8 weights for
     the linear layers that take them (machinery/quantize.py), before either."""
     model = quantization.quantize(model.eval().to(device=device, dtype=hardware.DTYPES[dtype]), quantize)
     if compile:
         return model
-    if torch.device(device).type == "cpu" and can_pack(dtype):
+    if torch.device(device).type == "cpu":
+        rows_linear = PackedLinear if can_pack(dtype) else RowsLinear
         for module in list(model.modules()):
             for name, child in list(module.named_children()):
                 if type(child) is nn.Linear:
-                    setattr(module, name, PackedLinear(child))
+                    setattr(module, name, rows_linear(child))
     return model
 
 
@@ -286,6 +337,8 @@ class Engine:
         if compile and not self.fixed:
             model.compile(dynamic=True)  # in place: the engine's calls to the model run compiled
         self.max_batch, self.max_waiting, self.use_cache = max_batch, max_waiting, use_cache
+        # the rows one decoding pass may hold (more are decoded in several passes): every row's result its own
+        self.pass_rows = max_batch if self.fixed else calibrate(model, max_batch)
         self.prefill_chunk, self.stall_timeout = prefill_chunk, stall_timeout
         self.waiting, self.rows = collections.deque(), []
         self.lock = threading.Condition()
@@ -387,8 +440,8 @@ class Engine:
         ready = [g for g in self._admit() if not g.done and not g.paused]
         decoding = [g for g in ready if len(g.todo) == 1]
         with decode.attention_backends(self.device):
-            if decoding:
-                self._feed(decoding, 1)
+            for i in range(0, len(decoding), self.pass_rows):
+                self._feed(decoding[i:i + self.pass_rows], 1)
             prompts = [g for g in ready if len(g.todo) > 1 and not g.done]
             for g in prompts[:1] if decoding else prompts:
                 self._feed([g], min(len(g.todo), self.prefill_chunk))

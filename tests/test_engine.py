@@ -125,6 +125,65 @@ ONEDNN_BF16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(
                                  reason="oneDNN cannot pack bfloat16 on this CPU (it needs AVX-512)")
 
 
+def scored(runner, requests):
+    """Submit requests together, step until all are done; each one's (token id, log-probability) pairs."""
+    generations = [runner.submit(r) for r in requests]
+    while not all(g.done for g in generations):
+        runner.step()
+    return [[(t.id, t.logprob) for t in g if t.id is not None and not t.prompt] for g in generations]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_a_requests_scores_do_not_depend_on_how_many_rows_decode_with_it(dtype):
+    """40 seeded requests decoding together (more rows than oneDNN computes with one algorithm on a CPU with AMX:
+    its bfloat16 products of more than 32 rows of GPT-2's width take AMX tiles, which round otherwise; there,
+    without the engine's calibrate, 11 of these 40 requests scored differently): every request's tokens and
+    log-probabilities, bit for bit, are the ones it gets alone."""
+    model = engine.prepare(small_model(n_embd=768, n_layer=1, vocab_size=300, block_size=64), "cpu", dtype)
+    runner = engine.Engine(model, Tokens(300), max_batch=40)
+    g = torch.Generator().manual_seed(1)
+    requests = [engine.Request(torch.randint(0, 300, (3 + i % 9,), generator=g).tolist(), max_tokens=6,
+                               temperature=1.0, seed=i, logprobs=0) for i in range(40)]
+    together = scored(runner, requests)
+    assert [scored(runner, [r])[0] for r in requests] == together
+
+
+class Rounding:
+    """A stand-in for oneDNN's packed product that rounds as a CPU whose kernels change with the number of rows
+    might: a lone row unpadded, and passes of more than `most` rows, get a result off by one part in 2**-10."""
+
+    def __init__(self, most, lone_differs):
+        self.most, self.lone_differs, self.rows = most, lone_differs, []
+        self.product = torch.ops.mkldnn._linear_pointwise
+
+    def __call__(self, x, *args):
+        rows = x.shape[:-1].numel()
+        self.rows.append(rows)
+        y = self.product(x, *args)
+        return y * (1 + 2 ** -10) if rows > self.most or rows == 1 and self.lone_differs else y
+
+
+@pytest.mark.parametrize("lone_differs", [False, True])
+def test_decoding_passes_hold_only_as_many_rows_as_the_kernels_compute_as_each_row_alone(monkeypatch, lone_differs):
+    """Where a product of more than 5 rows rounds otherwise (and a lone row unpadded, or not), calibrate finds
+    it, so 12 requests decode in passes of at most 5 rows (a lone row padded to MIN_ROWS where it must be), and
+    each request scores as alone; a pass of all 12 at once scores otherwise."""
+    rounding = Rounding(5, lone_differs)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", rounding)
+    model = engine.prepare(small_model(), "cpu", "float32")
+    runner = engine.Engine(model, Tokens(70), max_batch=12)
+    assert runner.pass_rows == 5
+    assert {m.min_rows for m in model.modules() if isinstance(m, engine.PackedLinear)} == \
+        {engine.PackedLinear.MIN_ROWS if lone_differs else 1}
+    requests = [engine.Request([1 + i, 2, 3], max_tokens=4, temperature=1.0, seed=i, logprobs=0) for i in range(12)]
+    rounding.rows.clear()
+    together = scored(runner, requests)
+    assert max(rounding.rows) == 5 and (1 not in rounding.rows) == lone_differs
+    assert [scored(runner, [r])[0] for r in requests] == together
+    runner.pass_rows = 12  # as the engine ran before calibrate: the same requests then score otherwise
+    assert scored(runner, requests) != together
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_a_requests_tokens_do_not_depend_on_what_else_runs(dtype):
     """8 seeded requests of different prompt lengths together give each the tokens it gets alone. The model
