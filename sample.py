@@ -32,6 +32,7 @@ from machinery import configurator, engine, loading, talk
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 from machinery.fileio import read_text
+from machinery.hardware import describe
 from machinery.tokenizer import end_of_text_stop
 
 
@@ -103,6 +104,7 @@ def main(argv=None):
     if cfg.stop is not None:
         encode(tokenizer, cfg.stop, "--stop")  # text the model cannot produce would never stop a sample
     model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
+    print(describe(loaded.device, loaded.dtype), file=sys.stderr)  # (stdout is the samples' alone)
     runner = engine.Engine(model, tokenizer, loaded.device, max_batch=1 if cfg.chat else cfg.num_samples,
                            use_cache=cfg.use_cache, compile=cfg.compile)
     if cfg.chat:

@@ -11,8 +11,21 @@ float32, so auto picks float32 there. (oneDNN's own test, _is_mkldnn_bf16_suppor
 also true on AVX-512 CPUs without BF16, Skylake-X or Cascade Lake, which only convert.)
 Asking for a half-precision dtype that the CPU only emulates still runs, with a one-line
 warning.
+
+The CPU kinds this knows (cpu_kind), and what is chosen on each (measured: BENCHMARKS.md):
+
+    AMX            bfloat16; oneDNN's AMX kernels for prompts and batches, its AVX-512 BF16
+                   kernel for decoding's few rows (a lone row unpadded)
+    AVX-512 BF16   bfloat16; oneDNN's AVX-512 BF16 kernels
+    AVX-512        float32 (bfloat16 only converted there, not computed)
+    AVX2           float32 (bfloat16 emulated, ~50x slower; --dtype=float16 for one fast stream)
+
+On every kind the generation engine measures at start which rows its products compute alike
+(engine.calibrate). llama.cpp, which the tests and benchmarks run, is built for the kind at hand
+without its AMX kernels (.ci/install-llama-cpp).
 """
 
+import os
 import sys
 from contextlib import nullcontext
 
@@ -70,6 +83,28 @@ def cpu_native(dtype):
     return True
 
 
+CPU_KINDS = {  # what dtype=auto and the engine choose on each kind of CPU (the module's docstring says why)
+    "AMX": "bfloat16: AMX for prompts and batches, AVX-512 BF16 for decoding",
+    "AVX-512 BF16": "bfloat16: AVX-512 BF16",
+    "AVX-512": "float32: bfloat16 is only converted",
+    "AVX2": "float32: bfloat16 is emulated",
+    "other": "float32",
+}
+
+
+def cpu_kind():
+    """This CPU's kind, as oneDNN may use it (ONEDNN_MAX_CPU_ISA caps it: AVX2 makes any x86 CPU the AVX2
+    kind): AMX, AVX-512 BF16, AVX-512, AVX2 or other (a key of CPU_KINDS)."""
+    if cpu_native("bfloat16"):
+        cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+        amx = torch.cpu._is_amx_tile_supported() and ("AMX" in cap or cap in ("ALL", "DEFAULT"))
+        return "AMX" if amx else "AVX-512 BF16"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512") and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "AVX-512"
+    return "AVX2" if capability.startswith("AVX") else "other"
+
+
 def pick_dtype(name, device):
     device_type = device.split(":")[0]
     if name == "auto":
@@ -113,8 +148,9 @@ def describe(device, dtype):
     if device.startswith("cuda"):
         return f"device {device} ({torch.cuda.get_device_name(device)}), dtype {dtype}"
     if device == "cpu":
-        return (f"device cpu ({torch.backends.cpu.get_cpu_capability()}, native bfloat16: "
-                f"{'yes' if cpu_native('bfloat16') else 'no'}, {torch.get_num_threads()} threads), dtype {dtype}")
+        kind = cpu_kind()
+        return (f"device cpu ({kind} kind, dtype auto = {CPU_KINDS[kind]}; {torch.get_num_threads()} threads), "
+                f"dtype {dtype}")
     return f"device {device}, dtype {dtype}"
 
 

@@ -43,6 +43,31 @@ def test_auto_dtype_on_the_cpu_is_bfloat16_only_where_it_is_native(monkeypatch, 
     assert capsys.readouterr().err == ""  # nothing to warn about
 
 
+@pytest.mark.parametrize("cpu, capability, cap, kind", [
+    (dict(bf16=True, amx=True), "AVX512", None, "AMX"),  # Sapphire Rapids and later
+    (dict(bf16=True, amx=True), "AVX512", "AVX512_CORE_AMX", "AMX"),
+    (dict(bf16=True, amx=True), "AVX512", "AVX512_CORE_BF16", "AVX-512 BF16"),  # oneDNN told to leave AMX out
+    (dict(bf16=True), "AVX512", None, "AVX-512 BF16"),  # Zen 4, Cooper Lake
+    (dict(bf16=False, converts_bf16=True), "AVX512", None, "AVX-512"),  # Skylake-X
+    (dict(bf16=True, converts_bf16=False), "AVX2", "AVX2", "AVX2"),  # the suite's AVX2 emulation
+    (dict(bf16=False), "AVX2", None, "AVX2"),  # Zen 3
+    (dict(bf16=False), "DEFAULT", None, "other"),
+])
+def test_each_cpu_kind_is_named_with_the_dtype_auto_picks_there(monkeypatch, cpu, capability, cap, kind):
+    """hardware.cpu_kind names the kind (ONEDNN_MAX_CPU_ISA's cap included), and the line every command prints
+    names it with the dtype that auto then picks."""
+    native(monkeypatch, **cpu)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert hardware.cpu_kind() == kind
+    auto = hardware.pick_dtype("auto", "cpu")
+    assert hardware.CPU_KINDS[kind].startswith(auto)
+    assert hardware.describe("cpu", "float32").startswith(f"device cpu ({kind} kind, dtype auto = {auto}")
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_forcing_an_emulated_half_precision_warns_once_in_one_line(tmp_path, char_data, monkeypatch, dtype):
     native(monkeypatch, bf16=False, fp16=False)
