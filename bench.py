@@ -37,12 +37,14 @@ mode=faults: serve.py against a long prompt among running streams, clients that 
 hang up (machinery/bench_faults.py).
 
 mode=serve: serve.py under load (streaming clients at once: tokens/s, time to the first token, gaps between
-tokens; seeded requests at once against one at a time) and batch-1 decoding of the generation engine (also with
+tokens; seeded requests at once against one at a time; a one-token completion after prompts of prompt_lens
+tokens, at dtype and at float32) and batch-1 decoding of the generation engine (also with
 int8 weights) and of sample.py, whole process, against transformers' generate and llama.cpp (Q8_0, F16), on a
 random model of GPT-2's architecture, with the memory bound; with --text, bits per byte of a trained model
 (--out_dir) in float32, int8 and llama.cpp's q8_0. See machinery/bench_serve.py.
 
-    python bench.py --mode=serve [--clients=1,8,32] [--serve_tokens=100] [--dtype=auto] [--device=cuda] [--out_dir=DIR --text=FILE]
+    python bench.py --mode=serve [--clients=1,8,32] [--serve_tokens=100] [--prompt_lens=64,256,...] [--dtype=auto]
+                                 [--device=cuda] [--out_dir=DIR --text=FILE]
 
 mode=chat: chat finetuning shown to work: a small GPT-2 BPE model pretrained on text_source, then finetuned at the
 same steps on a synthetic conversational task (full or LoRA, the loss on the assistant's tokens or on all), each
@@ -109,6 +111,9 @@ class BenchConfig(TrainConfig):
     shard_tokens: int = setting(0, "mode=prepare: tokens per shard (0: prepare.py's 100M)")
     clients: str = setting("1,8,32", "mode=serve: numbers of concurrent streaming clients, comma-separated")
     serve_tokens: int = setting(100, "mode=serve: tokens each request generates")
+    prompt_lens: str = setting("64,256,512,768,900,1017", "mode=serve: prompt lengths (tokens, comma-separated) "
+                                                          "after which a one-token completion through serve.py is "
+                                                          "timed, at dtype and at float32 (empty: none)")
     text: str = setting("", "mode=serve: a held-out UTF-8 text: bits per byte on it of the trained GPT-2 BPE model "
                             "in out_dir, float32, int8 and llama.cpp's q8_0 (empty: not measured)")
     chat_pretrain: str = setting("task", "mode=chat: the base model's pretraining text: task (the training "
@@ -125,6 +130,10 @@ class BenchConfig(TrainConfig):
             raise UserError(f"mode must be sample, train, speedrun, prepare, serve, faults or chat, got {self.mode!r}")
         if not all(c.strip().isdigit() and int(c) > 0 for c in self.clients.split(",")):
             raise UserError(f"clients must be positive numbers separated by commas, got {self.clients!r}")
+        if self.mode == "serve" and self.prompt_lens and not all(n.strip().isdigit() and 0 < int(n) <= self.block_size
+                                                                for n in self.prompt_lens.split(",")):
+            raise UserError(f"prompt_lens must be numbers of tokens from 1 to block_size ({self.block_size}) "
+                            f"separated by commas, got {self.prompt_lens!r}")
         if self.chat_pretrain not in ("task", "text"):
             raise UserError(f"chat_pretrain must be task or text, got {self.chat_pretrain!r}")
         if self.recipe not in NANOGPT_RECIPES:

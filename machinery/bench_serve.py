@@ -24,7 +24,10 @@ served by `python serve.py --init_from=DIR` in a process of its own, on 127.0.0.
    serve_tokens tokens (temperature 1, its own seed, a random prompt): the tokens/s of all of them
    together, each client's time to its first token, and the gaps between its tokens (p50, p99);
 4. 8 seeded requests one at a time, then the same 8 at once: whether each text is the same, and the
-   ratio of their throughputs.
+   ratio of their throughputs;
+5. a chat's time to its first token as the conversation grows: a one-token completion (greedy) after a
+   random prompt of each of prompt_lens tokens, through serve.py at dtype and at float32 (two servers, the
+   lengths and the dtypes in turn, median of `repeats`).
 
 The server and the clients share the machine's cores (the clients' work is small: reading events). With
 --device=cuda everything runs on the GPU (int8 and llama.cpp are the CPU's rows: left out there).
@@ -415,4 +418,53 @@ def bench_serve(cfg, workdir):
     finally:
         server.terminate()
         server.wait(timeout=60)
-    return rates, bandwidth, figures, same, bpb
+    lengths = [int(n) for n in cfg.prompt_lens.split(",")] if cfg.prompt_lens else []
+    prompt_seconds = prompt_times(hf_dir, device, dtype, lengths, cfg.repeats) if lengths else None
+    return rates, bandwidth, figures, same, bpb, prompt_seconds
+
+
+def prompt_times(hf_dir, device, dtype, lengths, repeats):
+    """{dtype: {length: median seconds}} of a one-token greedy completion after a random prompt of each length,
+    through serve.py at dtype and at float32 (a server each, both started first; lengths and dtypes in turn, so
+    that a drift of the machine weighs on both alike), printed as a table."""
+    dtypes = list(dict.fromkeys([dtype, "float32"]))
+    servers = {}
+    try:
+        for d in dtypes:
+            port = free_port()
+            servers[d] = (start_server(hf_dir, d, port, f"--device={device}"), port)
+        seconds = {d: {n: [] for n in lengths} for d in dtypes}
+        prompt = prompts(1, max(lengths), 7)[0]  # (each length its first tokens: a conversation growing)
+        for r in range(repeats + 1):  # (the first round warms each server up)
+            for n in lengths:
+                for d, (_, port) in servers.items():
+                    took = one_token_after(f"http://127.0.0.1:{port}/v1/completions", prompt[:n])
+                    if r:
+                        seconds[d][n].append(took)
+    finally:
+        for server, _ in servers.values():
+            server.terminate()
+            server.wait(timeout=60)
+    medians = {d: {n: statistics.median(t) for n, t in by_length.items()} for d, by_length in seconds.items()}
+    print(f"a one-token completion after a prompt of N tokens through serve.py, seconds (median of {repeats}):")
+    print(f"  {'N':>12} " + " ".join(f"{n:>6}" for n in lengths))
+    for d, by_length in medians.items():
+        print(f"  {d:>12} " + " ".join(f"{by_length[n]:6.3f}" for n in lengths))
+    if len(dtypes) > 1:
+        print(f"  {dtype} no slower than float32 at every length: "
+              f"{'yes' if all(medians[dtype][n] <= medians['float32'][n] for n in lengths) else 'NO'}", flush=True)
+    return medians
+
+
+def one_token_after(url, prompt):
+    """Seconds of one request for a single greedy token after prompt (token ids), answered whole."""
+    import httpx
+
+    t0 = time.perf_counter()
+    reply = httpx.post(url, json={"prompt": prompt, "max_tokens": 1, "temperature": 0},
+                       timeout=600)
+    seconds = time.perf_counter() - t0
+    reply.raise_for_status()
+    if reply.json()["usage"]["prompt_tokens"] != len(prompt):
+        raise RuntimeError(f"serve.py read {reply.json()['usage']['prompt_tokens']} prompt tokens, not {len(prompt)}")
+    return seconds

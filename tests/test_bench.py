@@ -86,6 +86,30 @@ def test_sample_py_is_timed_as_users_run_it_from_the_difference_of_two_runs(hf_d
     assert math.isnan(bench_serve.sample_command(str(path), "cpu", "float32", n, repeats=3)[0])
 
 
+def test_the_prompt_table_times_each_length_on_each_dtype_in_turn_and_says_whether_auto_keeps_up(monkeypatch, capsys):
+    """bench.py --mode=serve's prompt table with serve.py and its clock stood in for: a server at the dtype and one
+    at float32, each length's prompt (the first tokens of one random prompt) to each in turn, a warm-up round
+    not counted, the median of the rounds after; and the verdict line."""
+    started, asked = [], []
+    monkeypatch.setattr(bench_serve, "free_port", lambda: 9000 + len(started))
+    monkeypatch.setattr(bench_serve, "start_server", lambda hf_dir, dtype, port, *settings:
+                        started.append((dtype, port, settings)) or SimpleNamespace(terminate=lambda: None,
+                                                                                   wait=lambda timeout: 0))
+    took = {9000: [9, 9, 1, 3, 2, 4], 9001: [9, 9, 2, 4, 3, 4]}  # quarters of a second: (warm-up), 2, 5, 2, 5
+    monkeypatch.setattr(bench_serve, "one_token_after", lambda url, prompt: asked.append((url, prompt)) or
+                        took[int(url.split(":")[2].split("/")[0])].pop(0) / 4)
+    medians = bench_serve.prompt_times("DIR", "cpu", "bfloat16", [2, 5], repeats=2)
+    assert started == [("bfloat16", 9000, ("--device=cpu",)), ("float32", 9001, ("--device=cpu",))]
+    assert [len(prompt) for _, prompt in asked] == [2, 2, 5, 5] * 3 and asked[1][1] == asked[2][1][:2]
+    assert [url for url, _ in asked[:2]] == [f"http://127.0.0.1:{p}/v1/completions" for p in (9000, 9001)]
+    assert medians == {"bfloat16": {2: 0.375, 5: 0.875}, "float32": {2: 0.625, 5: 1.0}}
+    assert "bfloat16 no slower than float32 at every length: yes" in capsys.readouterr().out
+    started.clear()
+    took = {9000: [9, 9, 3, 3, 3, 3], 9001: [9, 9, 2, 4, 2, 4]}  # the dtype slower at the short prompt
+    bench_serve.prompt_times("DIR", "cpu", "bfloat16", [2, 5], repeats=2)
+    assert "bfloat16 no slower than float32 at every length: NO" in capsys.readouterr().out
+
+
 def test_sample_py_row_refuses_a_model_that_stops_early(tmp_path):
     """A greedy decode that reaches <|endoftext|> before SAMPLE_FEW + n tokens would time fewer tokens than it
     claims: the row stops with the reason."""
@@ -122,7 +146,9 @@ def test_train_mode_reads_a_training_config_file(capsys, monkeypatch):
                                          ("--prompt_len=17", "prompt_len .17. must be at most block_size"),
                                          ("--num_proc=-1", "num_proc must not be negative"),
                                          ("--corpus_mb=0", "corpus_mb must be positive"),
-                                         ("--recipe=tpu", "recipe must be cpu or gpu, got 'tpu'")])
+                                         ("--recipe=tpu", "recipe must be cpu or gpu, got 'tpu'"),
+                                         ("--mode=serve", "prompt_lens must be numbers of tokens from 1 to "
+                                                          "block_size .16. separated by commas, got '64,256")])
 def test_bad_settings_are_one_line_errors(arg, message):
     with pytest.raises(UserError, match=message):
         bench.main([*TINY, arg])
