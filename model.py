@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
 import torch
@@ -62,8 +63,8 @@ class Head(nn.Module):
     def forward(self, q, k, v, mask=None):
         if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
             # PyTorch's CPU attention is slower in 16 bits than in float32 (BENCHMARKS.md): float32, autocast off
-            with torch.autocast("cpu", enabled=False):
-                return self(q.float(), k.float(), v.float(), mask).to(q.dtype)
+            with torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else nullcontext():
+                return self.forward(q.float(), k.float(), v.float(), mask).to(q.dtype)
         Tq, Tk = q.size(-2), k.size(-2)  # q: the newest Tq positions; k, v: all Tk so far (Tk > Tq: a KV cache)
         dropout_p = self.dropout if self.training else 0.0
         if mask is not None:  # (B, 1, Tq, Tk): which positions each query sees (a cache of fixed size)

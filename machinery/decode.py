@@ -57,7 +57,7 @@ class Rows:
             keys[slot, :, length:length + T] = k[i]
             values[slot, :, length:length + T] = v[i]
             out.append(heads(q[i:i + 1], keys[slot:slot + 1, :, :length + T], values[slot:slot + 1, :, :length + T]))
-        return torch.cat(out)
+        return torch.cat(out) if len(out) > 1 else out[0]
 
     def advance(self, T):
         pass  # the engine keeps each row's length
