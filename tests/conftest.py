@@ -2,13 +2,16 @@
 
 import contextlib
 import io
+import json
 import os
 import queue
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -17,6 +20,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# the environment this test run started with, as a shell gives it to a command: the processes that tests start in a
+# Zygote's way get it (not what imports in this process add to os.environ as the tests go: lm_eval's, torch's...)
+START_ENV = dict(os.environ)
 
 WORDS = ("the king queen lord lady speak night day love death sword crown heart blood fair sweet "
          "good my thy thou art hath doth what who where shall will come go see hear").split()
@@ -91,12 +97,13 @@ def kill_tree(proc):
 
 @pytest.fixture
 def spawn():
-    """spawn(argv, **popen_kwargs) -> Popen: a process that the test's end kills with all it started, however
-    the test ends (a failed assertion, a timeout), so no test leaves a process behind."""
+    """spawn(argv, popen=subprocess.Popen, **popen_kwargs) -> Popen (or what popen made: a Zygote's Forked): a
+    process that the test's end kills with all it started, however the test ends (a failed assertion, a timeout),
+    so no test leaves a process behind."""
     started = []
 
-    def start(argv, **kwargs):
-        started.append(subprocess.Popen(argv, **kwargs))
+    def start(argv, popen=subprocess.Popen, **kwargs):
+        started.append(popen(argv, **kwargs))
         return started[-1]
 
     yield start
@@ -108,9 +115,11 @@ def read_lines(proc):
     """Threads move proc's stdout lines into proc.lines (None at the end) and its stderr into proc.err, so that
     no read of a Popen made with text pipes can block past a timeout (wait_for_line, finish). Returns proc."""
     proc.lines, proc.err = queue.Queue(), []
-    threading.Thread(target=lambda: [proc.lines.put(line) for line in proc.stdout] + [proc.lines.put(None)],
-                     daemon=True).start()
-    threading.Thread(target=lambda: proc.err.extend(proc.stderr or ()), daemon=True).start()
+    proc.readers = [threading.Thread(target=lambda: [proc.lines.put(line) for line in proc.stdout] +
+                                     [proc.lines.put(None)], daemon=True),
+                    threading.Thread(target=lambda: proc.err.extend(proc.stderr or ()), daemon=True)]
+    for reader in proc.readers:
+        reader.start()
     return proc
 
 
@@ -124,7 +133,7 @@ def finish(proc, timeout=120):
     lines = []
     while (line := proc.lines.get(timeout=10)) is not None:
         lines.append(line)
-    time.sleep(0.1)  # the stderr thread sees the end of the pipe
+    proc.readers[1].join(timeout=10)  # the stderr thread reads to the end of the pipe
     return "".join(lines), "".join(proc.err)
 
 
@@ -144,6 +153,169 @@ def wait_for_line(proc, pattern, timeout=120):
             return "".join(seen)
     kill_tree(proc)
     raise AssertionError(f"no line matching {pattern!r}; got:\n{''.join(seen)}\n{''.join(proc.err)}")
+
+
+class Zygote:
+    """The test's side of a tests/zygote.py process (see there): a Python that has imported modules once and
+    forks scripts' processes from itself, without their start-up. close() kills it and every child it has."""
+
+    def __init__(self, modules, env, runtime):
+        self.proc = read_lines(subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "zygote.py"), "--runtime=" + ",".join(sorted(runtime)), *modules],
+            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
+        self.ready, self.running, self.exited = False, set(), {}
+
+    def _reply(self, deadline):
+        """Take in the zygote's next line, if one comes by deadline (else False); the pid, if it started one."""
+        try:
+            line = self.proc.lines.get(timeout=max(0.0, deadline - time.time()))
+        except queue.Empty:
+            return False
+        if line is None or line.startswith("refused"):
+            self.close()
+            raise AssertionError(f"zygote: {line or 'ended'}\n{''.join(self.proc.err)}")
+        kind, *values = line.split()
+        if kind == "ready":
+            self.ready = True
+        elif kind == "exited":
+            self.running.discard(int(values[0]))
+            self.exited[int(values[0])] = int(values[1])
+        else:  # started (an earlier child of that pid has been reported: its status goes)
+            self.running.add(int(values[0]))
+            self.exited.pop(int(values[0]), None)
+            return int(values[0])
+
+    def start(self, argv, env, stdout, stderr, timeout=120):
+        """Fork `python *argv` (argv[0] a script) in env, its output into the files stdout and stderr (FIFOs
+        opened for reading, or files it makes); its pid."""
+        deadline = time.time() + timeout
+        request = dict(argv=[str(a) for a in argv], env=env, cwd=str(ROOT), stdout=str(stdout), stderr=str(stderr))
+        while not self.ready:
+            self._expect(deadline, "ready")
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        while (pid := self._expect(deadline, "started")) is None:
+            pass
+        return pid
+
+    def _expect(self, deadline, what):
+        """_reply, but the zygote is closed and the test fails if nothing comes by deadline."""
+        if (reply := self._reply(deadline)) is False:
+            self.close()
+            raise AssertionError(f"zygote: no {what} in time\n{''.join(self.proc.err)}")
+        return reply
+
+    def wait(self, pid, timeout):
+        """pid's exit status (Popen.returncode's), waiting at most timeout seconds (subprocess.TimeoutExpired)."""
+        deadline = time.time() + timeout
+        while pid not in self.exited:
+            if self._reply(deadline) is False:
+                raise subprocess.TimeoutExpired(f"pid {pid}", timeout)
+        return self.exited.pop(pid)
+
+    def popen(self, argv, env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True):
+        """A Forked child, for the Popen(argv, ...) that spawn would make: output through pipes, as text."""
+        assert argv[0] == sys.executable and Path(cwd) == ROOT and stdout == stderr == subprocess.PIPE and text
+        fifos, pipes = Path(tempfile.mkdtemp()), []
+        try:
+            for name in ("stdout", "stderr"):
+                os.mkfifo(fifos / name)
+                pipes.append(os.open(fifos / name, os.O_RDONLY | os.O_NONBLOCK))  # (so that the zygote's open returns)
+            pid = self.start(argv[1:], env, fifos / "stdout", fifos / "stderr")
+        except BaseException:
+            for fd in pipes:
+                os.close(fd)
+            raise
+        finally:
+            shutil.rmtree(fifos)
+        for fd in pipes:
+            os.set_blocking(fd, True)  # (its writer is there now: an end of file is the child's end)
+        return Forked(self, pid, argv, *(open(fd) for fd in pipes))
+
+    def kill(self, pid):
+        """SIGKILL pid and what it started, unless it has ended."""
+        if pid in self.running:
+            for p in [pid] + descendants(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+
+    def close(self):
+        kill_tree(self.proc)  # (with its children; it has nothing to save, and a Python with torch takes ~1 s to exit)
+
+
+class Forked:
+    """A child of a Zygote, used as a Popen is (pid, args, stdout, stderr, poll, wait, send_signal, returncode),
+    by spawn, read_lines, finish and kill_tree."""
+
+    def __init__(self, zygote, pid, args, stdout, stderr):
+        self.zygote, self.pid, self.args, self.stdout, self.stderr = zygote, pid, args, stdout, stderr
+        self.returncode = None
+
+    def wait(self, timeout):
+        if self.returncode is None:
+            self.returncode = self.zygote.wait(self.pid, timeout)
+        return self.returncode
+
+    def poll(self):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return self.wait(0)
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+@pytest.fixture(scope="session")
+def zygotes():
+    """zygotes(modules, runtime, env, n) -> n Zygotes that imported modules (each its own Python, as separate
+    processes are: its own hash seed) under env (START_ENV and settings) but for the variables in runtime (those a
+    request may change, see tests/zygote.py), started the first time they are asked for and kept for the session."""
+    pool = {}
+
+    def get(modules, runtime, env, n):
+        base = {k: v for k, v in env.items() if k not in runtime}
+        zs = pool.setdefault((tuple(modules), tuple(sorted(runtime)), tuple(sorted(base.items()))), [])
+        while len(zs) < n:
+            zs.append(Zygote(modules, base, runtime))
+        return zs[:n]
+
+    yield get
+    for zygote in [z for zs in pool.values() for z in zs]:
+        zygote.close()
+
+
+# what the scripts whose processes tests start import (train.py, tests/faulty_train.py, serve.py): start_script
+# forks them from a Zygote that has imported all of it
+SCRIPT_IMPORTS = ("train", "faults", "torch._dynamo", "serve", "fastapi", "uvicorn")
+
+
+@pytest.fixture
+def start_script(spawn, zygotes):
+    """start_script(script, *args) -> `python script args` in a process of its own (forked by a Zygote: what a
+    signal or an exit status shows does not depend on how long its start took) in START_ENV, unbuffered, through
+    spawn (killed with what it started when the test ends, however it ends), its output read by read_lines. numpy's
+    BLAS on one thread (a thread of its own at import would not survive the fork; the scripts do no BLAS through
+    numpy)."""
+
+    def start(script, *args):
+        env, zygote = script_zygote(zygotes)
+        return read_lines(spawn([sys.executable, str(ROOT / script), *map(str, args)], popen=zygote.popen, cwd=ROOT,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+
+    return start
+
+
+def script_zygote(zygotes):
+    """(the environment start_script runs a script in, the Zygote it forks it from), that Zygote started now if it
+    is not yet (it then imports while the test goes on)."""
+    env = dict(START_ENV, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1")
+    return env, zygotes(SCRIPT_IMPORTS, (), env, 1)[0]
+
+
+def runs(request, test_name):
+    """Does this session run the test named test_name (of any module)?"""
+    return any(item.name == test_name for item in request.session.items)
 
 
 def tiny_train_args(data_dir, out_dir, **overrides):

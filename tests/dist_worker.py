@@ -17,8 +17,10 @@ Settings (under torchrun through the environment, which torchrun passes on to ev
                   number of processes sees the same global batches as a single-process run
   FAIL_RANK, FAIL_ITER   that rank raises a UserError when it fetches a batch at iteration FAIL_ITER
   SIGTERM_RANK, SIGTERM_ITER   that rank sends itself a SIGTERM when it fetches a batch at iteration SIGTERM_ITER
-  SETUP_PAUSE     seconds every rank sleeps at the end of its setup (after joining the job, before training),
-                  having printed "setup paused": a test can kill torchrun's agent there
+  SETUP_PAUSE     at most that many seconds, every rank waits at the end of its setup (after joining the job,
+                  before training), having printed "setup paused", until its launcher (its parent when it
+                  started: torchrun's agent) has died: a test can kill torchrun's agent there, sure that the
+                  ranks are still in their setup then and without waiting longer than that takes
   FLOAT64         "1": the model is built in float64 (torch's default dtype), so that runs compare up to
                   float64 rounding only (with dtype=float32 nothing is autocast)
 """
@@ -52,6 +54,7 @@ class Instruments:
     sigterm_rank: int = -1
     sigterm_iter: int = 0
     setup_pause: float = 0.0
+    parent: int = field(default_factory=os.getppid)  # (the process that started this one: torchrun's agent)
     # what is recorded (kept apart from the trainer: train.main frees the trainer before it leaves the
     # process group, and a reference from here would keep the DDP model alive until exit)
     batches: list = field(default_factory=list)
@@ -62,6 +65,13 @@ class Instruments:
     iter_num: int = 0
     device: str = ""  # the device this rank trained on, and its process group's backend (None: no group)
     backend: str = None
+
+    def pause_in_setup(self, rank):
+        """SETUP_PAUSE's wait: until this process's parent has died, for at most setup_pause seconds."""
+        print(f"setup paused (rank {rank})", flush=True)
+        deadline = time.time() + self.setup_pause
+        while os.getppid() == self.parent and time.time() < deadline:
+            time.sleep(0.02)
 
     def report(self):
         return {"batches": self.batches, "losses": self.losses, "grad_norms": self.grad_norms,
@@ -118,8 +128,7 @@ def instrumented_trainer(instruments):
 
         def _wrap(self, model):
             if rec.setup_pause:
-                print(f"setup paused (rank {self.world.rank})", flush=True)
-                time.sleep(rec.setup_pause)
+                rec.pause_in_setup(self.world.rank)
             model = super()._wrap(model)
             ddp = getattr(model, "_orig_mod", model)  # under torch.compile
             if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):

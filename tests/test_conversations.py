@@ -394,7 +394,7 @@ def test_lora_on_chat_data_trains_the_special_tokens_rows_merged_on_load_and_as_
         torch.testing.assert_close(merged_hf(x).logits[..., :len(tokenizer)], expected, atol=1e-5, rtol=0)
 
 
-def test_two_ddp_ranks_on_chat_data_equal_one_process(tmp_path, chat_dir):
+def test_two_ddp_ranks_on_chat_data_equal_one_process(tmp_path, chat_dir, zygotes):
     """2 gloo ranks, each on 2 of a step's 4 micro-batches (tests/dist_worker.py's shared stream), against one
     process on all 4: the targets are counted over both ranks (a rank's own count would give another gradient)."""
     from dist_worker import Instruments, instrumented_run
@@ -404,7 +404,7 @@ def test_two_ddp_ranks_on_chat_data_equal_one_process(tmp_path, chat_dir):
         return train_args(chat_dir, tmp_path / out, dataset="tinychat", max_iters=1, batch_size=2, eval_iters=1,
                           eval_at_start=False)
 
-    ddp = ok(launch(args("ddp"), tmp_path / "report", SHARED_BATCHES=1))
+    ddp = ok(launch(args("ddp"), tmp_path / "report", SHARED_BATCHES=1, zygotes=zygotes))
     one = Instruments(shared=True, float64=True)
     alone = run_in_process(lambda argv: instrumented_run(argv, one), *args("one"), check=True)
     ranks = [report(tmp_path / "report", r) for r in (0, 1)]

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (ROOT, descendants, free_port, kill_tree, read_lines, run_in_process, tiny_train_args,
-                      wait_for_line)
+from conftest import (ROOT, START_ENV, descendants, finish, free_port, kill_tree, read_lines, run_in_process,
+                      tiny_train_args, wait_for_line)
 from dist_worker import Instruments, instrumented_run
 from machinery import distributed, meta
 from machinery.errors import UserError
@@ -53,36 +53,57 @@ def worker_env(report_dir, **extra):
             **{k: str(v) for k, v in extra.items()}}
 
 
+def job_env(report_dir, **extra):
+    """The environment of a job's processes (but for torchrun's RANK and the rest, which it sets for each rank):
+    the test run's own (conftest.START_ENV) and the settings."""
+    return dict(START_ENV, PYTHONUNBUFFERED="1", WANDB_MODE="offline", **worker_env(report_dir, **extra))
+
+
 def torchrun_argv(script, args, nproc=2):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
             *map(str, args)]
 
 
-def torchrun(args, report_dir, nproc=2, timeout=300, **env):
-    """tests/dist_worker.py under torchrun; the CompletedProcess. On a timeout (or any other way out) torchrun
-    and its workers, which run in sessions of their own, are killed: none is left training."""
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", **worker_env(report_dir, **env))
-    proc = subprocess.Popen(torchrun_argv(WORKER, args, nproc), cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    finally:
-        kill_tree(proc)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+# The processes a test starts for a job (a launch's ranks; torchrun's agent, whose workers it starts itself, as new
+# processes) are forked (tests/zygote.py) from Pythons that have imported what they import before they train (the
+# agent: before it starts its workers); the variables that differ between jobs and ranks are read when they run.
+JOB_IMPORTS = ("dist_worker", "torch._dynamo", "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
+               "torch.distributed.launcher.api", "torch.distributed.elastic.multiprocessing.errors",
+               "torch.distributed.elastic.rendezvous.utils", "torch.numa.binding")
+RUNTIME_VARIABLES = ("REPORT_DIR", "SHARED_BATCHES", "FLOAT64", "FAIL_RANK", "FAIL_ITER", "SIGTERM_RANK",
+                     "SIGTERM_ITER", "SETUP_PAUSE", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def launch(args, report_dir, nproc=2, timeout=300, **env):
+def job_zygotes(zygotes, n, **env):
+    """The first n Zygotes a job's processes of job_env(..., **env) are forked from (started now, those that are not
+    yet: they then import while the test goes on)."""
+    return zygotes(JOB_IMPORTS, RUNTIME_VARIABLES, job_env("", **env), n)
+
+
+def torchrun(args, report_dir, zygotes, spawn, nproc=2, **env):
+    """tests/dist_worker.py under torchrun (its agent through spawn: the agent and its workers, which run in
+    sessions of their own, are killed when the test ends, however it ends); the agent, read by read_lines."""
+    full_env = job_env(report_dir, **env)
+    zygote, = job_zygotes(zygotes, 1, **env)
+    return read_lines(spawn(torchrun_argv(WORKER, args, nproc), popen=zygote.popen, cwd=ROOT, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+
+
+def launch(args, report_dir, nproc=2, timeout=300, zygotes=None, **env):
     """tests/dist_worker.py as nproc processes joined as torchrun's would be (RANK, LOCAL_RANK, WORLD_SIZE,
     MASTER_ADDR/PORT: env:// rendezvous), started directly: the equivalence tests need the processes, not
-    torchrun's agent (which costs a Python and torch start-up per launch). The CompletedProcess: rank 0's stdout,
-    every rank's stderr, the first non-zero exit status. Every process is killed on the way out."""
+    torchrun's agent (which costs a Python and torch start-up per launch); with zygotes (conftest's fixture) each
+    rank is forked from a Python of its own that has already imported torch and train.py (no start-up at all).
+    The CompletedProcess: rank 0's stdout, every rank's stderr, the first non-zero exit status. Every process is
+    killed on the way out."""
     port = free_port()
+    envs = [dict(job_env(report_dir, **env), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for rank in range(nproc)]
+    if zygotes is not None:
+        return launch_forked(args, report_dir, envs, timeout, zygotes)
     procs = []
     try:
-        for rank in range(nproc):
-            rank_env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", RANK=str(rank),
-                            LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(port), **worker_env(report_dir, **env))
+        for rank_env in envs:
             procs.append(subprocess.Popen([sys.executable, WORKER, *map(str, args)], cwd=ROOT, env=rank_env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outputs = [p.communicate(timeout=timeout) for p in procs]
@@ -92,6 +113,22 @@ def launch(args, report_dir, nproc=2, timeout=300, **env):
     status = next((p.returncode for p in procs if p.returncode), 0)
     return subprocess.CompletedProcess(WORKER, status, outputs[0][0], "".join(err for _, err in outputs))
 
+
+def launch_forked(args, report_dir, envs, timeout, zygotes):
+    """launch()'s ranks forked from zygotes, rank r from the r-th (output through files in report_dir)."""
+    pool = job_zygotes(zygotes, len(envs))
+    report_dir.mkdir(parents=True, exist_ok=True)
+    files = [(report_dir / f"stdout{rank}", report_dir / f"stderr{rank}") for rank in range(len(envs))]
+    pids, deadline = [], time.time() + timeout
+    try:
+        for zygote, rank_env, (out, err) in zip(pool, envs, files):
+            pids.append(zygote.start([WORKER, *args], rank_env, out, err))
+        statuses = [zygote.wait(pid, deadline - time.time()) for zygote, pid in zip(pool, pids)]
+    finally:
+        for zygote, pid in zip(pool, pids):
+            zygote.kill(pid)
+    return subprocess.CompletedProcess(WORKER, next((s for s in statuses if s), 0), files[0][0].read_text(),
+                                       "".join(err.read_text() for _, err in files))
 
 
 def ok(proc):
@@ -154,12 +191,12 @@ def check_steps_equal_single_process(out, rep, single, steps):
 
 
 def test_ddp_steps_equal_single_process_with_one_allreduce_each_and_sigterm_on_one_rank_stops_both(
-        tmp_path, data_dir, single):
+        tmp_path, data_dir, single, zygotes):
     # (resuming: the llm.c shards test below, DDP then FSDP)
     out, rep = tmp_path / "out", tmp_path / "r1"
     # rank 1 gets a SIGTERM while it fetches a batch of iteration 2; both ranks stop after that step
     proc = ok(launch(train_args(data_dir, out, max_iters=100, eval_interval=2), rep, SHARED_BATCHES=1,
-                     SIGTERM_RANK=1, SIGTERM_ITER=2))
+                     SIGTERM_RANK=1, SIGTERM_ITER=2, zygotes=zygotes))
     assert "(2 process(es) x 2 micro-steps x 4 x 32)" in proc.stdout
     assert "stopped by a signal on another rank at iteration 3" in proc.stdout
     assert report(rep, 1)["iter_num"] == 3
@@ -197,7 +234,7 @@ def shard_dir(data_dir, tmp_path_factory):
 
 
 def test_llm_c_shards_on_2_ranks_with_muon_equal_one_process_under_ddp_and_resume_exactly_under_fsdp(
-        tmp_path, shard_dir, single):
+        tmp_path, shard_dir, single, zygotes):
     # --dataset=DIR of llm.c shards, --optimizer=muon: 2 steps under DDP, then resumed under FSDP (whose Muon
     # step gathers the shards of each shape's matrices whole, stacked, for Newton-Schulz and keeps its own shard
     # of each result) to 4. 33 wide, 3 heads: the matrices' 33 and 99 rows split unevenly over 2 ranks (17 + 16)
@@ -206,14 +243,15 @@ def test_llm_c_shards_on_2_ranks_with_muon_equal_one_process_under_ddp_and_resum
     def args(**kw):
         return train_args(shard_dir, out, dataset=dataset, optimizer="muon", **model, **kw)
 
-    ok(launch(args(max_iters=2), tmp_path / "r1", SHARED_BATCHES=1))
+    ok(launch(args(max_iters=2), tmp_path / "r1", SHARED_BATCHES=1, zygotes=zygotes))
     ranks = [report(tmp_path / "r1", r)["batches"] for r in (0, 1)]
     assert not set(ranks[0]) & set(ranks[1])  # every rank trains on other windows
     ref_ckpt, ref = single(2, dataset, "muon", **model)
     assert ranks[0][:2] + ranks[1][:2] == ref["batches"][:4]  # the one-process run's global batch, split
     assert max_weight_diff(ckpt(out), ref_ckpt) < TOL
 
-    proc = ok(launch(args(max_iters=4, parallel="fsdp", init_from="resume"), tmp_path / "r2", SHARED_BATCHES=1))
+    proc = ok(launch(args(max_iters=4, parallel="fsdp", init_from="resume"), tmp_path / "r2", SHARED_BATCHES=1,
+                     zygotes=zygotes))
     assert f"resuming from {out}/ckpt.pt at iteration 2" in proc.stdout
     assert re.findall(r"^iter (\d+):", proc.stdout, re.M) == ["3", "4"]
     # one reduce-scatter per FSDP group (2 blocks and the root) per step, as in the AdamW test below
@@ -223,10 +261,12 @@ def test_llm_c_shards_on_2_ranks_with_muon_equal_one_process_under_ddp_and_resum
     assert max_weight_diff(ckpt(out), single(4, dataset, "muon", **model)[0]) < TOL  # the uninterrupted run's
 
 
-def test_fsdp_step_equals_single_process_and_its_checkpoint_samples_in_one_process(tmp_path, data_dir, single):
+def test_fsdp_step_equals_single_process_and_its_checkpoint_samples_in_one_process(tmp_path, data_dir, single,
+                                                                                   zygotes):
     # (resuming under FSDP: the shards test above)
     out = tmp_path / "out"
-    ok(launch(train_args(data_dir, out, max_iters=1, parallel="fsdp"), tmp_path / "r1", SHARED_BATCHES=1))
+    ok(launch(train_args(data_dir, out, max_iters=1, parallel="fsdp"), tmp_path / "r1", SHARED_BATCHES=1,
+              zygotes=zygotes))
     check_steps_equal_single_process(out, tmp_path / "r1", single, 1)
     # one reduce-scatter per FSDP group (2 blocks and the root) per step: the first of each rank's 2
     # micro-steps keeps its gradients local (without that, 6)
@@ -249,11 +289,12 @@ def alive(pid):
         return False
 
 
-def test_failure_on_one_rank_ends_the_job(tmp_path, data_dir):
+def test_failure_on_one_rank_ends_the_job(tmp_path, data_dir, zygotes, spawn):
     out, rep = tmp_path / "out", tmp_path / "report"
-    proc = torchrun(train_args(data_dir, out, max_iters=100), rep, timeout=120, FAIL_RANK=1, FAIL_ITER=2)
-    assert proc.returncode != 0
-    assert "error: simulated failure on rank 1 at iteration 2" in proc.stderr
+    agent = torchrun(train_args(data_dir, out, max_iters=100), rep, zygotes, spawn, FAIL_RANK=1, FAIL_ITER=2)
+    _, stderr = finish(agent, timeout=120)
+    assert agent.returncode != 0
+    assert "error: simulated failure on rank 1 at iteration 2" in stderr
     assert not (rep / "rank0.json").exists()  # rank 0 did not finish training either...
     assert not any(alive(int((rep / f"pid{r}").read_text())) for r in (0, 1))  # ...nor is it still at it
 
@@ -270,25 +311,22 @@ def orphans():
 
 
 @pytest.mark.parametrize("when", ["training", "setup"])
-def test_sigkill_to_torchrun_stops_its_workers_and_the_next_launch_resumes(tmp_path, data_dir, spawn, orphans,
-                                                                           when):
+def test_sigkill_to_torchrun_stops_its_workers_and_the_next_launch_resumes(tmp_path, data_dir, spawn, zygotes,
+                                                                           orphans, when):
     """torchrun starts its workers in sessions of their own, so SIGKILL to its agent (which cannot pass it on)
     used to leave them training into out_dir. They notice that their launcher died and stop as on SIGTERM,
     within seconds: killed while training (after step 3), or during their setup (which may be long: a token
-    scan, a compilation; here a pause), when they stop at their first step. (The workers draw their own
-    batches here, as train.py's ranks do: all different.)"""
+    scan, a compilation; here a pause that lasts until the agent is dead), when they stop at their first step.
+    (The workers draw their own batches here, as train.py's ranks do: all different.)"""
     out, rep = tmp_path / "out", tmp_path / "report"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline",
-               **worker_env(rep, **({"SETUP_PAUSE": 3} if when == "setup" else {})))
     args = train_args(data_dir, out, max_iters=10**6, gradient_accumulation_steps=2)
-    agent = read_lines(spawn(torchrun_argv(WORKER, args), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True))
+    agent = torchrun(args, rep, zygotes, spawn, **({"SETUP_PAUSE": 60} if when == "setup" else {}))
     wait_for_line(agent, r"^iter 3: loss" if when == "training" else r"^setup paused")
     orphans += [pid for pid in descendants(agent.pid) if WORKER in open(f"/proc/{pid}/cmdline").read()]
     assert len(orphans) == 2
     os.kill(agent.pid, signal.SIGKILL)
-    # a few seconds: the rest of a 3-second setup pause, then one step; or one step of this tiny model
-    deadline = time.time() + (3 if when == "setup" else 0) + 10
+    # a few seconds: the end of the setup pause (at the agent's death), then one step; or one step of this tiny model
+    deadline = time.time() + 10
     while any(alive(pid) for pid in orphans) and time.time() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in orphans), "workers still running seconds after their launcher died"

@@ -9,8 +9,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,7 +22,7 @@ from openai import DefaultHttpx2Client, OpenAI
 
 import sample
 import serve
-from conftest import TAUGHT, ROOT, free_port, kill_tree, make_corpus, read_lines, run_in_process, wait_for_line
+from conftest import TAUGHT, free_port, kill_tree, make_corpus, run_in_process, runs, script_zygote, wait_for_line
 from machinery import chat, checkpoint, configurator, engine, openai_api
 from machinery.meta import DatasetMeta
 from machinery.tokenizer import CharTokenizer
@@ -33,6 +31,15 @@ from train import TrainConfig
 
 NAME = "tiny"  # the served model's name: its out_dir's last part
 TOL = 1e-5  # log-probabilities: oneDNN's prepacked products against PyTorch's, both float32 (sums of ~100 terms)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def script_zygote_started_early(request, zygotes):
+    """The Python that test_sigterm_ends_open_streams_cleanly_and_exits_0 forks serve.py from (conftest's
+    start_script), started as this module begins, if that test is to run: its imports go on while the tests
+    before it run."""
+    if runs(request, "test_sigterm_ends_open_streams_cleanly_and_exits_0"):
+        script_zygote(zygotes)
 
 
 @pytest.fixture(scope="module")
@@ -558,7 +565,9 @@ def test_a_stream_whose_client_stops_reading_pauses_then_ends(ckpt_dir):
             time.sleep(0.05)
         assert paused.finish_reason == "abort" and paused.completion_tokens == generated  # nothing more while paused
         assert len(paused.events) <= openai_api.STREAM_BACKLOG + 1  # (the last: the abort)
-        time.sleep(0.6)  # the next step frees its row
+        freed_by = time.time() + 0.6  # the next step frees its row
+        while small.engine.load != (0, 0) and time.time() < freed_by:
+            time.sleep(0.02)
         assert small.engine.load == (0, 0)
         reader.close()
         assert_serves(small)
@@ -621,11 +630,9 @@ def test_tokenizer_over_http_as_vllm_serves_it(server):
     assert HTTP.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "KING"}
 
 
-def test_sigterm_ends_open_streams_cleanly_and_exits_0(ckpt_dir, spawn):
+def test_sigterm_ends_open_streams_cleanly_and_exits_0(ckpt_dir, start_script):
     port = free_port()
-    proc = read_lines(spawn([sys.executable, str(ROOT / "serve.py"), f"--out_dir={ckpt_dir}", "--device=cpu",
-                             f"--port={port}", "--max_tokens=1000000"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")))
+    proc = start_script("serve.py", f"--out_dir={ckpt_dir}", "--device=cpu", f"--port={port}", "--max_tokens=1000000")
     wait_for_line(proc, r"^serving tiny", timeout=120)
     with HTTP.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                       json=dict(prompt="ROMEO:", max_tokens=1000000, stream=True)) as r:

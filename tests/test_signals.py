@@ -5,8 +5,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import socket
@@ -14,17 +12,8 @@ import socket
 import pytest
 import torch
 
-from conftest import (ROOT, assert_one_error_line, finish, kill_tree, load_checkpoint, read_lines, tiny_train_args,
-                      train, wait_for_line)
+from conftest import assert_one_error_line, finish, kill_tree, load_checkpoint, tiny_train_args, train, wait_for_line
 from machinery.distributed import StopFlag
-
-
-def start(spawn, script, *args):
-    """Start a script (through conftest's spawn: killed with what it started when the test ends, however it
-    ends), its output read by conftest's read_lines."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return read_lines(spawn([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
 
 
 def wait_for_file(path, proc, timeout=120):
@@ -38,14 +27,14 @@ def wait_for_file(path, proc, timeout=120):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_and_resumes_at_the_right_iteration(tmp_path, char_data, sig, spawn):
+def test_signal_saves_and_resumes_at_the_right_iteration(tmp_path, char_data, sig, start_script):
     out = tmp_path / "out"
 
     def args(**kw):
         return tiny_train_args(char_data, out, eval_interval=10**9, ckpt_interval=0, warmup_iters=2,
                                lr_decay_iters=1000, dropout=0.1, **kw)
 
-    proc = start(spawn, "train.py", *args(max_iters=10**6))
+    proc = start_script("train.py", *args(max_iters=10**6))
     before = wait_for_line(proc, r"^iter 3: loss")
     proc.send_signal(sig)
     stdout, stderr = finish(proc)
@@ -87,11 +76,11 @@ def test_a_second_signal_acts_as_usual():
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_sigkill_while_saving_leaves_a_checkpoint_that_loads_and_resumes(tmp_path, char_data, spawn):
+def test_sigkill_while_saving_leaves_a_checkpoint_that_loads_and_resumes(tmp_path, char_data, start_script):
     out, flag = tmp_path / "out", tmp_path / "paused"
     args = tiny_train_args(char_data, out, max_iters=20, ckpt_interval=4, eval_interval=10**9)
     # save 1 writes ckpt.pt at iteration 4; save 2 (iteration 8) stops half way through its temporary file
-    proc = start(spawn, "tests/faulty_train.py", "pause_in_save=2", f"pause_flag={flag}", "--", *args)
+    proc = start_script("tests/faulty_train.py", "pause_in_save=2", f"pause_flag={flag}", "--", *args)
     wait_for_file(flag, proc)
     temporary = [p for p in out.iterdir() if p.name not in ("ckpt.pt", "metrics.jsonl", "train.lock")]
     assert len(temporary) == 1 and temporary[0].stat().st_size > 0  # killed with a half-written file there
@@ -114,9 +103,10 @@ def test_sigkill_while_saving_leaves_a_checkpoint_that_loads_and_resumes(tmp_pat
     assert sorted(p.name for p in out.iterdir()) == ["best.pt", "ckpt.pt", "metrics.jsonl", "train.lock"]
 
 
-def test_a_second_run_on_an_out_dir_in_use_stops_naming_the_first_and_writes_nothing(tmp_path, char_data, spawn):
+def test_a_second_run_on_an_out_dir_in_use_stops_naming_the_first_and_writes_nothing(tmp_path, char_data,
+                                                                                     start_script):
     out = tmp_path / "out"
-    first = start(spawn, "train.py", *tiny_train_args(char_data, out, max_iters=10**6, eval_interval=10**9))
+    first = start_script("train.py", *tiny_train_args(char_data, out, max_iters=10**6, eval_interval=10**9))
     wait_for_line(first, r"^iter 2: loss")
     first.send_signal(signal.SIGSTOP)  # frozen, holding its lock: what changes in out_dir now is the second's doing
     before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()}
