@@ -34,10 +34,8 @@ The server and the clients share the machine's cores (the clients' work is small
 """
 
 import asyncio
-import contextlib
 import copy
 import dataclasses
-import io
 import json
 import math
 import os
@@ -50,6 +48,7 @@ import time
 import torch
 
 from machinery import convert, engine, gguf_export, loading, quantize
+from machinery.llama_runs import llama_cpp_greedy, llama_cpp_text_loss
 from machinery.fileio import read_text
 from machinery.hardware import DTYPES
 from machinery.meta import DatasetMeta
@@ -228,27 +227,6 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def llama_cpp_greedy(path, prompt, n, threads):
-    """A function that decodes n tokens greedily after prompt in llama.cpp (llama-cpp-python, as it loads a GGUF
-    file by default: float16 KV cache) on threads threads, one token per call as our engine steps."""
-    import numpy as np
-    from llama_cpp import Llama
-
-    with contextlib.redirect_stderr(io.StringIO()):  # (llama.cpp's notes)
-        llm = Llama(path, n_ctx=len(prompt) + n + 1, n_threads=threads, n_threads_batch=threads, logits_all=True,
-                    verbose=False)
-
-    def run():
-        llm.reset()
-        llm.eval(prompt)
-        tokens = []
-        for _ in range(n):
-            tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-            llm.eval(tokens[-1:])
-        return tokens
-    return run
-
-
 def weight_bytes(model, kind):
     """Bytes of weights one decoding step reads: every matrix of the blocks and the output layer (the embeddings
     are looked up: one row each; vectors are a rounding error), at kind's bytes per weight (Q8_0: 32 int8 and
@@ -297,26 +275,6 @@ def bits_per_byte(cfg, workdir):
         print(f"  {name:20} {bits:.4f} bits per byte ({bits / figures['ours float32'] - 1:+.3%} against ours in "
               f"float32)", flush=True)
     return figures
-
-
-def llama_cpp_text_loss(path, ids, block_size, threads):
-    """The total cross-entropy (nats) of the GGUF model at path predicting ids[1:], in the windows of
-    scoring.text_loss: ids[kB : kB + B + 1], each read from an empty cache."""
-    import numpy as np
-    from llama_cpp import Llama
-
-    with contextlib.redirect_stderr(io.StringIO()):
-        llm = Llama(path, n_ctx=block_size, n_batch=block_size, n_threads=threads, n_threads_batch=threads,
-                    logits_all=True, verbose=False)
-    total = 0.0
-    for start in range(0, len(ids) - 1, block_size):
-        x, y = ids[start:start + block_size], ids[start + 1:start + block_size + 1]
-        llm.reset()
-        llm.eval(x[:len(y)])
-        logits = torch.from_numpy(np.array(llm.scores[:len(y)]))
-        total += torch.nn.functional.cross_entropy(logits, torch.tensor(y), reduction="sum").item()
-    llm.close()
-    return total
 
 
 async def client(http, url, prompt, seed, tokens):

@@ -1,11 +1,13 @@
 """What tests/test_gguf.py asks llama.cpp (llama-cpp-python) about a GGUF file, each function run in a child
 process of its own (native.in_child): plain data in, plain data out (lists, numpy arrays), so that the child
-imports only llama_cpp and numpy (machinery.bench_serve where the benchmark's own functions are under test)."""
+imports only llama_cpp and numpy (and machinery.llama_runs, the benchmark's own runs of llama.cpp, where those are
+under test)."""
 
 import contextlib
-import io
 
 import numpy as np
+
+from machinery import llama_runs
 
 
 @contextlib.contextmanager
@@ -13,11 +15,9 @@ def llama(path, n_ctx):
     """The GGUF file at path loaded by llama.cpp: float32 KV cache (its default, float16, would round the keys
     and values), every position's logits, 2 threads."""
     import gguf
-    import llama_cpp
 
-    with contextlib.redirect_stderr(io.StringIO()):  # (llama.cpp's notes)
-        llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=2, logits_all=True, verbose=False,
-                              type_k=gguf.GGMLQuantizationType.F32, type_v=gguf.GGMLQuantizationType.F32)
+    llm = llama_runs.load(path, n_ctx, 2, n_batch=n_ctx, type_k=gguf.GGMLQuantizationType.F32,
+                          type_v=gguf.GGMLQuantizationType.F32)
     try:
         yield llm
     finally:
@@ -49,18 +49,14 @@ def tokenizer(path, texts, ids):
 def greedy_and_logits(path, prompt, n, ids):
     """bench.py's greedy decoding of n tokens after prompt (its default float16 KV cache, 2 threads), and the
     logits of every position of ids (float32 KV cache)."""
-    from machinery import bench_serve
-
-    greedy = bench_serve.llama_cpp_greedy(str(path), prompt, n, threads=2)()
+    greedy = llama_runs.llama_cpp_greedy(str(path), prompt, n, threads=2)()
     with llama(path, len(ids)) as llm:
         return greedy, logits(llm, ids)
 
 
 def text_losses(paths, ids, block_size):
     """bench.py's total cross-entropy (nats) of ids under each GGUF file of paths."""
-    from machinery import bench_serve
-
-    return [bench_serve.llama_cpp_text_loss(str(p), ids, block_size, threads=2) for p in paths]
+    return [llama_runs.llama_cpp_text_loss(str(p), ids, block_size, threads=2) for p in paths]
 
 
 def chat(path, n_ctx, texts, conversations):
