@@ -18,7 +18,7 @@ mode=train: ms/iter and tokens/s (and MFU on GPUs) of train.py's own training st
 autocast and compile settings, on random tokens. With --nanogpt=PATH (nanoGPT's train.py, from a clone
 of its repository), then our train.py and nanoGPT's as whole processes with the same settings on the
 prepared dataset, warmup + repeats steps each: wall time, val loss, ms/iter, tokens/s and MFU side by
-side, and how far apart their losses are step by step. See machinery/bench_runs.py.
+side, and how far apart their losses are step by step. See benchmarks/runs.py.
 
 mode=speedrun: the speedrun (--recipe=cpu or gpu) against nanoGPT's recipe run by our train.py, both whole
 `python train.py` processes (start-up, data, training, evaluation, checkpoint) on the prepared
@@ -29,19 +29,19 @@ mode=prepare: tokens/s and the peak memory of the process tree of the large-corp
 (prepare.py fineweb_edu --input: corpus.prepare_corpus on num_proc processes, timed whole) against
 tiktoken's multi-threaded encode_ordinary_batch on the same documents (its encode calls alone), in
 the same run; the two token counts must agree. Without --input, a synthetic corpus of corpus_mb MiB
-is written first; it and the shards go to a temporary directory ($TMPDIR). See machinery/bench_prepare.py.
+is written first; it and the shards go to a temporary directory ($TMPDIR). See benchmarks/prepare.py.
 
     python bench.py --mode=prepare [--input=PATH] [--corpus_mb=500] [--num_proc=N]
 
 mode=faults: serve.py against a long prompt among running streams, clients that stop reading, clients that
-hang up (machinery/bench_faults.py).
+hang up (benchmarks/faults.py).
 
 mode=serve: serve.py under load (streaming clients at once: tokens/s, time to the first token, gaps between
 tokens; seeded requests at once against one at a time; a one-token completion after prompts of prompt_lens
 tokens, at dtype and at float32) and batch-1 decoding of the generation engine (also with
 int8 weights) and of sample.py, whole process, against transformers' generate and llama.cpp (Q8_0, F16), on a
 random model of GPT-2's architecture, with the memory bound; with --text, bits per byte of a trained model
-(--out_dir) in float32, int8 and llama.cpp's q8_0. See machinery/bench_serve.py.
+(--out_dir) in float32, int8 and llama.cpp's q8_0. See benchmarks/serve.py.
 
     python bench.py --mode=serve [--clients=1,8,32] [--serve_tokens=100] [--prompt_lens=64,256,...] [--dtype=auto]
                                  [--device=cuda] [--out_dir=DIR --text=FILE]
@@ -49,7 +49,7 @@ random model of GPT-2's architecture, with the memory bound; with --text, bits p
 mode=chat: chat finetuning shown to work: a small GPT-2 BPE model pretrained on text_source, then finetuned at the
 same steps on a synthetic conversational task (full or LoRA, the loss on the assistant's tokens or on all), each
 model's held-out exact-match accuracy, share of replies ending with <|assistant_end|> and masked loss, as a
-markdown table. See machinery/bench_chat.py.
+markdown table. See benchmarks/chat.py.
 
     python bench.py --mode=chat [--chat_pretrain=task|text] [--chat_pretrain_iters=150] [--chat_sft_iters=400]
 
@@ -68,12 +68,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from benchmarks.chat import bench_chat
+from benchmarks.faults import bench_faults
+from benchmarks.prepare import bench_prepare
+from benchmarks.runs import NANOGPT_RECIPES, bench_beside_nanogpt, bench_speedrun, check_nanogpt
+from benchmarks.serve import bench_serve
 from machinery import configurator, dataset, meta
-from machinery.bench_chat import bench_chat
-from machinery.bench_faults import bench_faults
-from machinery.bench_prepare import bench_prepare
-from machinery.bench_runs import NANOGPT_RECIPES, bench_beside_nanogpt, bench_speedrun, check_nanogpt
-from machinery.bench_serve import bench_serve
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 from machinery.hardware import describe as describe_device

@@ -56,9 +56,9 @@ def run(script, *args, cwd=ROOT, timeout=300, env=None, check=False):
 
 
 def free_port():
-    """A TCP port of 127.0.0.1 that nothing listens on now (bench_serve's: imported here only when asked, so that
-    loading conftest does not import torch)."""
-    from machinery.bench_serve import free_port as product_free_port
+    """A TCP port of 127.0.0.1 that nothing listens on now (benchmarks/serve.py's: imported here only when asked, so
+    that loading conftest does not import torch)."""
+    from benchmarks.serve import free_port as product_free_port
 
     return product_free_port()
 

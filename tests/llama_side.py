@@ -1,13 +1,13 @@
 """What tests/test_gguf.py asks llama.cpp (llama-cpp-python) about a GGUF file, each function run in a child
 process of its own (native.in_child): plain data in, plain data out (lists, numpy arrays), so that the child
-imports only llama_cpp and numpy (and machinery.llama_runs, the benchmark's own runs of llama.cpp, where those are
+imports only llama_cpp and numpy (and benchmarks.llama_runs, the benchmark's own runs of llama.cpp, where those are
 under test)."""
 
 import contextlib
 
 import numpy as np
 
-from machinery import llama_runs
+from benchmarks import llama_runs
 
 
 @contextlib.contextmanager

@@ -13,8 +13,12 @@ import pytest
 import torch
 
 import bench
+from benchmarks import chat as bench_chat
+from benchmarks import prepare as bench_prepare
+from benchmarks import runs as bench_runs
+from benchmarks import serve as bench_serve
 from conftest import ROOT, assert_one_error_line, make_corpus, run_in_process
-from machinery import bench_chat, bench_prepare, bench_runs, bench_serve, chat, configurator, meta
+from machinery import chat, configurator, meta
 from machinery.configurator import UserError
 from machinery.tokenizer import gpt2_encoding
 from model import GPT, GPTConfig

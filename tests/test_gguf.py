@@ -27,11 +27,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from benchmarks import serve as bench_serve
 from conftest import TAUGHT, WORDS, assert_one_error_line, perturb, run_in_process, tiny_train_args
 from conftest import train as train_in_process
 import export
 import llama_side
-from machinery import bench_serve, chat, checkpoint, gguf_export, quantize, scoring
+from machinery import chat, checkpoint, gguf_export, quantize, scoring
 from machinery.meta import DatasetMeta
 from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig

@@ -1,6 +1,7 @@
-"""The shape of the code: at the root only the commands and the model (every other module in machinery/, flat);
-every module of ours imports the others as a tree (no cycle, lazy imports included); model.py imports nothing of
-ours; no function is longer than 60 lines; README's machinery table names every file of machinery/, one a row."""
+"""The shape of the code: at the root only the commands and the model; every other module in machinery/ (what the
+commands share) or benchmarks/ (what bench.py alone uses), each flat; every module of ours imports the others as a
+tree (no cycle, lazy imports included), the machinery never a benchmark; model.py imports nothing of ours; no
+function is longer than 60 lines; README's tables name every file of both packages, one a row."""
 
 import ast
 import re
@@ -11,17 +12,24 @@ import pytest
 
 from conftest import ROOT
 
-PACKAGE = "machinery"
+MACHINERY, BENCHMARKS = "machinery", "benchmarks"
+PACKAGES = (MACHINERY, BENCHMARKS)
 # what a user runs or reads first: the model (and its optimizers, part of the model's story), and the commands
 ROOT_MODULES = {"model", "optimizers", "train", "sample", "prepare", "eval", "export", "plot", "bench", "serve"}
-MODULES = {p.stem: p for p in ROOT.glob("*.py")} | {f"{PACKAGE}.{p.stem}": p for p in (ROOT / PACKAGE).glob("*.py")
-                                                     if p.stem != "__init__"}
+MODULES = {p.stem: p for p in ROOT.glob("*.py")} | {f"{package}.{p.stem}": p for package in PACKAGES
+                                                     for p in (ROOT / package).glob("*.py") if p.stem != "__init__"}
+COMMANDS = {name for name in MODULES if "." not in name} - {"model", "optimizers"}
 
 
-def project_imports(name):
-    """The modules of ours that module `name` imports anywhere in its source (inside functions too), by their
-    dotted names: `from machinery import meta`, `import machinery.meta` and `from machinery.meta import x` all
-    count as machinery.meta."""
+def package_modules(package):
+    """The dotted names of the modules of one of our packages (machinery.meta, ...)."""
+    return sorted(name for name in MODULES if name.startswith(f"{package}."))
+
+
+def imported_names(name):
+    """Every dotted name that module `name` imports anywhere in its source (inside functions too), ours or not:
+    `from machinery import meta`, `import machinery.meta` and `from machinery.meta import x` all give
+    machinery.meta (and machinery)."""
     tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
     found = set()
     for node in ast.walk(tree):
@@ -31,8 +39,13 @@ def project_imports(name):
             found.add(node.module)
             found |= {f"{node.module}.{alias.name}" for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
-            raise AssertionError(f"{name}: relative import; write `from {PACKAGE} import ...`")
-    return found & set(MODULES) - {name}
+            raise AssertionError(f"{name}: relative import; write `from {name.split('.')[0]} import ...`")
+    return found
+
+
+def project_imports(name):
+    """The modules of ours that module `name` imports, by their dotted names (see imported_names)."""
+    return imported_names(name) & set(MODULES) - {name}
 
 
 def find_cycle(graph):
@@ -57,6 +70,16 @@ def find_cycle(graph):
     return None
 
 
+def reached(starts, graph, avoid):
+    """The modules that those of starts import, directly or through others, never by way of a module of avoid."""
+    found, todo = set(), list(starts)
+    while todo:
+        for nxt in graph[todo.pop()] - avoid - found:
+            found.add(nxt)
+            todo.append(nxt)
+    return found
+
+
 def test_the_walker_finds_imports_at_any_depth_and_cycles():
     # the check itself, on a made-up graph and on this project's kinds of import
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
@@ -64,6 +87,11 @@ def test_the_walker_finds_imports_at_any_depth_and_cycles():
     assert "machinery.convert" in project_imports("machinery.checkpoint")  # from machinery import convert
     assert "model" in project_imports("train")  # from model import GPT
     assert "machinery.errors" in project_imports("train")  # from machinery.errors import UserError
+    assert "benchmarks.runs" in project_imports("benchmarks.chat")  # from benchmarks.runs import setting_args
+    assert "benchmarks.serve" in project_imports("bench")  # from benchmarks.serve import bench_serve
+    graph = {"train": {"m.a"}, "m.a": {"m.b"}, "m.b": set(), "bench": {"m.c", "m.a"}, "m.c": {"m.d"}, "m.d": set()}
+    assert reached({"train"}, graph, avoid={"bench"}) == {"m.a", "m.b"}
+    assert reached({"bench"}, graph, avoid={"m.a"}) == {"m.c", "m.d"}  # at any depth, never through m.a
 
 
 def test_every_module_imports_the_others_as_a_tree():
@@ -75,19 +103,36 @@ def test_model_py_imports_nothing_of_the_project():
     assert project_imports("model") == set()
 
 
-def test_the_root_holds_the_commands_and_the_model_and_the_package_holds_the_rest():
+def test_the_root_holds_the_commands_and_the_model_and_the_packages_hold_the_rest():
     root = {p.stem for p in ROOT.glob("*.py")}
     assert root <= ROOT_MODULES and len(root) <= 10, sorted(root - ROOT_MODULES)
     for name in root - {"model", "optimizers"}:  # a command: a main(), run under `if __name__ == "__main__"`
         tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
         assert any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), name
         assert any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in tree.body), name
-    package = ROOT / PACKAGE
-    assert (package / "__init__.py").is_file()
-    assert not [p for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"]  # flat inside
-    commands = root - {"model", "optimizers"}
-    for name in [m for m in MODULES if m.startswith(f"{PACKAGE}.")]:  # the machinery is below the commands
-        assert not project_imports(name) & commands, (name, project_imports(name) & commands)
+    for package in PACKAGES:
+        assert (ROOT / package / "__init__.py").is_file()
+        assert not [p for p in (ROOT / package).iterdir() if p.is_dir() and p.name != "__pycache__"]  # flat inside
+        for name in package_modules(package):  # the machinery and the benchmarks are below the commands
+            assert not project_imports(name) & COMMANDS, (name, project_imports(name) & COMMANDS)
+
+
+def test_the_machinery_never_imports_the_benchmarks():
+    # the benchmarks measure the machinery: were it to import one, every command would load bench.py's code
+    for name in package_modules(MACHINERY):
+        wrong = {n for n in imported_names(name) if n == BENCHMARKS or n.startswith(f"{BENCHMARKS}.")}
+        assert not wrong, (name, sorted(wrong))
+
+
+def test_the_machinery_holds_only_what_the_commands_share():
+    # a module that only bench.py and the benchmarks use is a benchmark: it belongs in benchmarks/. Each module of
+    # machinery/ is imported by a command other than bench.py, or by a module that is, and so on (never by way
+    # of bench.py or a benchmark)
+    machinery = package_modules(MACHINERY)
+    assert not [name for name in machinery if name.split(".")[1].startswith("bench")]
+    graph = {name: project_imports(name) for name in MODULES}
+    used = reached(COMMANDS - {"bench"}, graph, avoid={"bench", *package_modules(BENCHMARKS)})
+    assert set(machinery) <= used, sorted(set(machinery) - used)
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -98,10 +143,10 @@ def test_no_function_is_longer_than_60_lines(name):
     assert not long, f"{name}: {long}"
 
 
-def readme_machinery_rows():
-    """The first cells of README's machinery table (the table after the line that begins with `machinery/`)."""
+def readme_rows(package):
+    """The first cells of README's table of a package (the table after the line that begins with `package/`)."""
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"`{PACKAGE}/`"))
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"`{package}/`"))
     rows = []
     for line in lines[start + 1:]:
         if rows and not line.startswith("|"):
@@ -111,12 +156,13 @@ def readme_machinery_rows():
     return rows
 
 
-def test_the_readme_table_lists_each_file_of_the_machinery_once_a_row():
-    # a file added, removed or renamed in machinery/ without its row would leave readers a wrong map
-    rows = readme_machinery_rows()
+@pytest.mark.parametrize("package", PACKAGES)
+def test_the_readme_table_lists_each_file_of_a_package_once_a_row(package):
+    # a file added, removed or renamed in machinery/ or benchmarks/ without its row would leave readers a wrong map
+    rows = readme_rows(package)
     names = [re.findall(r"`([^`]+)`", row) for row in rows]
     assert all(len(n) == 1 for n in names), [row for row, n in zip(rows, names) if len(n) != 1]  # one job a row
-    files = {p.name for p in (ROOT / PACKAGE).iterdir()
+    files = {p.name for p in (ROOT / package).iterdir()
              if p.is_file() and p.name != "__init__.py" and not p.name.startswith(".")}
     listed = [n[0] for n in names]
     assert len(listed) == len(set(listed)) and set(listed) == files, (sorted(files - set(listed)),

@@ -804,7 +804,7 @@ def test_bench_serve_clients_stream_what_the_server_generates(server):
     streamed), every token is timed (a first-token time and one gap between each two)."""
     import asyncio
 
-    from machinery import bench_serve
+    from benchmarks import serve as bench_serve
 
     requests = [(server.tokenizer.encode(text), seed) for seed, text in enumerate(["ROMEO:", "KING"])]
     texts, rate, first, gaps = asyncio.run(bench_serve.load(f"{server.url}/v1/completions", requests, 6))

@@ -23,7 +23,7 @@ import time
 
 import httpx
 
-from machinery.bench_serve import client, free_port, gpt2_shaped, percentile, prompts, start_server
+from benchmarks.serve import client, free_port, gpt2_shaped, percentile, prompts, start_server
 from machinery.hardware import describe, pick_dtype
 
 

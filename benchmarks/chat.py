@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.prepare import describe_machine
+from benchmarks.runs import setting_args
 from machinery import chat, configurator, conversations, engine, loading
-from machinery.bench_prepare import describe_machine
-from machinery.bench_runs import setting_args
 from machinery.errors import UserError
 
 SYSTEM = "Answer questions about the user's list of words."

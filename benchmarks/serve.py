@@ -47,8 +47,8 @@ import time
 
 import torch
 
+from benchmarks.llama_runs import llama_cpp_greedy, llama_cpp_text_loss
 from machinery import convert, engine, gguf_export, loading, quantize
-from machinery.llama_runs import llama_cpp_greedy, llama_cpp_text_loss
 from machinery.fileio import read_text
 from machinery.hardware import DTYPES
 from machinery.meta import DatasetMeta
