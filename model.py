@@ -201,15 +201,16 @@ class GPT(nn.Module):
         cache = KVCache(self.config, idx.size(0), self.cache_dtype(idx.device), idx.device) if use_cache else None
         stops = torch.tensor(sorted(stop_tokens or ()), dtype=torch.long, device=idx.device)
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-        for _ in range(max_new_tokens):
-            # the last block_size tokens are all the model can see; one more tells next_logits the window slid
-            tok = sample_next(self.next_logits(idx[:, -block_size - 1:], cache)[:, :vocab_size], temperature, top_k,
-                              top_p, generator)
-            tok = torch.where(done, idx[:, -1], tok)  # a row that stopped repeats its stop token
-            done |= torch.isin(tok, stops)
-            idx = torch.cat((idx, tok[:, None]), dim=1)
-            if stop_tokens and bool(done.all()):
-                break
+        with attention_backends(idx.device):
+            for _ in range(max_new_tokens):
+                # the last block_size tokens are all the model can see; one more tells next_logits the window slid
+                logits = self.next_logits(idx[:, -block_size - 1:], cache)[:, :vocab_size]
+                tok = sample_next(logits, temperature, top_k, top_p, generator)
+                tok = torch.where(done, idx[:, -1], tok)  # a row that stopped repeats its stop token
+                done |= torch.isin(tok, stops)
+                idx = torch.cat((idx, tok[:, None]), dim=1)
+                if stop_tokens and bool(done.all()):
+                    break
         return idx
 
     @torch.inference_mode()
@@ -329,6 +330,18 @@ class KVCache:
 
     def advance(self, T):
         self.pos += T
+
+
+def attention_backends(device):
+    """A context manager that picks PyTorch's attention kernels for decoding on device (generate's, the engine's):
+    on CUDA flash and memory-efficient attention, then the plain one, chosen explicitly: left to its default choice,
+    PyTorch spent ~46 ms on a call whose shape it had not seen, i.e. at every token (BENCHMARKS.md). Elsewhere
+    nothing: the CPU's default is fast (and its tokens stay what they were)."""
+    if torch.device(device).type != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # (looked up here: tests stand in for it)
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):

@@ -137,16 +137,3 @@ class FixedStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = self._run()
-
-
-def attention_backends(device):
-    """A context manager that picks PyTorch's attention kernels for decoding on device: on CUDA flash and
-    memory-efficient attention (then the plain one), chosen explicitly: left to its default choice, PyTorch
-    spent ~46 ms on a call whose shape it had not seen, i.e. at every token (BENCHMARKS.md)."""
-    import contextlib
-
-    if torch.device(device).type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

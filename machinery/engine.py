@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from machinery import decode, hardware
 from machinery import quantize as quantization
 from machinery.errors import first_line
-from model import sample_next
+from model import attention_backends, sample_next
 
 FINISHED = ("stop", "length", "abort", "error")  # why a generation ended: a stop text or token, max_tokens,
 # cancelled, failed
@@ -439,7 +439,7 @@ class Engine:
         of the waiting prompts (one chunk while rows are decoding, one for each prompt when none is)."""
         ready = [g for g in self._admit() if not g.done and not g.paused]
         decoding = [g for g in ready if len(g.todo) == 1]
-        with decode.attention_backends(self.device):
+        with attention_backends(self.device):
             for i in range(0, len(decoding), self.pass_rows):
                 self._feed(decoding[i:i + self.pass_rows], 1)
             prompts = [g for g in ready if len(g.todo) > 1 and not g.done]

@@ -9,6 +9,7 @@ import torch
 
 from machinery import engine
 from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
+from test_generate import CUDA_BACKENDS, cuda_attention_stand_ins
 
 
 # ---------------------------------------------------------------------- StreamText, the streaming logic
@@ -325,6 +326,18 @@ def fixed_greedy(runner, capture):
     """Greedy tokens of two requests in turn through a fixed engine whose step captures (as on CUDA) or not."""
     runner.fixed_step.capture = capture
     return [run(runner, [engine.Request(p, max_tokens=12, temperature=0)]) for p in ([1, 5, 9], [2, 7])]
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_on_cuda_every_attention_call_of_a_step_runs_with_the_kernels_chosen(monkeypatch, fixed):
+    """Each step enters model.attention_backends' choice for CUDA (the one generate enters), around every
+    attention call, a prompt's and a decoding row's (CUDA's choice stood in for; the model runs on the CPU)."""
+    runner = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2, fixed=fixed)
+    record = cuda_attention_stand_ins(monkeypatch, "machinery.engine")
+    run(runner, [engine.Request([1, 5, 9], max_tokens=6, temperature=0), engine.Request([2, 7], max_tokens=4)])
+    assert record.backends and all(backends == CUDA_BACKENDS for backends in record.backends)
+    assert set(record.devices) == {torch.device("cpu")} and len(record.devices) == len(record.backends)
+    assert len(record.calls) >= 6 and all(record.calls), record.calls
 
 
 def test_a_failed_graph_capture_puts_the_stream_back_and_decodes_eagerly(monkeypatch, capsys):

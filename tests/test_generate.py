@@ -1,10 +1,16 @@
 """Generation in model.py: the KV cache is exact, sampling options do what they say, compiled decoding
-does not recompile per token. Small random fp32 models on the CPU; logits compared within 1e-4."""
+does not recompile per token, the attention kernels are chosen on CUDA (stood in for). Small random fp32 models
+on the CPU; logits compared within 1e-4."""
+
+import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
-from model import GPT, GPTConfig, KVCache, filter_logits, sample_next
+from model import GPT, GPTConfig, KVCache, attention_backends, filter_logits, sample_next
 
 # (seed, config) of the random models the exactness tests run on
 MODELS = [
@@ -166,6 +172,70 @@ def test_a_stop_token_ends_each_sample():
             assert row[:end + 1] == free_row[:end + 1]
             assert all(t == stop for t in row[end:])  # a finished row is padded with its stop token
     assert ends[0] is not None and ends[0] <= 5
+
+
+def cuda_attention_stand_ins(monkeypatch, *users):
+    """The attention kernels' choice as on CUDA, on the CPU: each module of users (by name) asks attention_backends
+    of a device that is recorded and taken for a GPU; torch's sdpa_kernel, which it then enters, records the
+    backends it is given (and picks them); each attention call records whether it ran inside. Without users the
+    choice is left as it is (the device's own), still recorded."""
+    record = SimpleNamespace(devices=[], backends=[], inside=0, calls=[])
+    real_kernel, real_attention = torch.nn.attention.sdpa_kernel, F.scaled_dot_product_attention
+
+    @contextlib.contextmanager
+    def sdpa_kernel(backends):
+        record.backends.append(list(backends))
+        with real_kernel(backends):
+            record.inside += 1
+            try:
+                yield
+            finally:
+                record.inside -= 1
+
+    def attention(*args, **kwargs):
+        record.calls.append(record.inside > 0)
+        return real_attention(*args, **kwargs)
+
+    def on_cuda(device):
+        record.devices.append(torch.device(device))
+        return attention_backends("cuda")
+
+    monkeypatch.setattr(torch.nn.attention, "sdpa_kernel", sdpa_kernel)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", attention)
+    for user in users:
+        monkeypatch.setattr(f"{user}.attention_backends", on_cuda)
+    return record
+
+
+CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def test_generate_on_cuda_attends_with_the_kernels_the_engine_picks(monkeypatch):
+    """Left to PyTorch's default choice, attention on an H100 in bfloat16 took ~46 ms a call when the keys'
+    length changes at every token: on CUDA generate enters the engine's choice (flash, memory-efficient, then
+    plain attention) once, around every attention call of the generation (CUDA stood in for)."""
+    model = random_model(*MODELS[1])
+    idx = prompts(model, 1)[1]
+    expected = model.generate(idx, 20, temperature=0)
+    record = cuda_attention_stand_ins(monkeypatch, "model")
+    assert torch.equal(model.generate(idx, 20, temperature=0), expected)
+    assert record.devices == [idx.device] and record.backends == [CUDA_BACKENDS]
+    assert len(record.calls) >= 20 and all(record.calls), record.calls
+
+
+def test_generate_on_the_cpu_leaves_the_attention_kernels_to_pytorch(monkeypatch):
+    """On the CPU generate chooses nothing: no attention call runs inside a choice, and the tokens, greedy and
+    sampled, are those of generate without the choice."""
+    model = random_model(*MODELS[2])
+    idx = prompts(model, 2)[1]
+    record = cuda_attention_stand_ins(monkeypatch)
+    greedy = model.generate(idx, 30, temperature=0)
+    sampled = model.generate(idx, 30, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(0))
+    assert record.backends == [] and record.calls and not any(record.calls)
+    monkeypatch.setattr("model.attention_backends", lambda device: contextlib.nullcontext())  # no choice at all
+    assert torch.equal(model.generate(idx, 30, temperature=0), greedy)
+    assert torch.equal(model.generate(idx, 30, temperature=1.0, top_k=20,
+                                      generator=torch.Generator().manual_seed(0)), sampled)
 
 
 def test_compiled_decoding_does_not_recompile_per_token():
