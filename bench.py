@@ -53,6 +53,15 @@ markdown table. See benchmarks/chat.py.
 
     python bench.py --mode=chat [--chat_pretrain=task|text] [--chat_pretrain_iters=150] [--chat_sft_iters=400]
 
+mode=gpu: every goal of the GPU issues in one command that fits a GPU's few lent minutes (--budget_s): the CUDA
+tests, sample.py against transformers (bfloat16, float32), serve.py at 1 / 8 / 32 clients and at max_batch 1,
+Muon's step against AdamW's, GPT-2 124M's step and MFU, the GPU speedrun against nanoGPT's recipe; a PASS / FAIL
+line a goal, then the table for BENCHMARKS.md. With --device=cpu a small quick form that prints every line (the
+figures a CPU cannot take: not measured). See benchmarks/gpu.py.
+
+    python bench.py --mode=gpu                 # on the GPU machine (the wheels it lacks: see README)
+    python bench.py --mode=gpu --device=cpu    # the quick form, here
+
 Every train.py setting is a setting here too, so training config files work as they are;
 vocab_size defaults to the configured dataset's when it has been prepared. Each figure is the
 median of `repeats` measurements taken after `warmup` unmeasured ones.
@@ -70,6 +79,7 @@ import torch
 
 from benchmarks.chat import bench_chat
 from benchmarks.faults import bench_faults
+from benchmarks.gpu import bench_gpu
 from benchmarks.prepare import bench_prepare
 from benchmarks.runs import NANOGPT_RECIPES, bench_beside_nanogpt, bench_speedrun, check_nanogpt
 from benchmarks.serve import bench_serve
@@ -86,8 +96,9 @@ class BenchConfig(TrainConfig):
     mode: str = setting("sample", "sample (generation with and without the KV cache), train (one training step), "
                                "speedrun (whole train.py runs), prepare (corpus preparation), serve (serve.py "
                                "under load; batch-1 decoding against transformers), faults (serve.py against "
-                               "long prompts, clients that stop reading or hang up) or chat (chat finetuning, "
-                               "four ways, on a synthetic task)")
+                               "long prompts, clients that stop reading or hang up), chat (chat finetuning, "
+                               "four ways, on a synthetic task) or gpu (every GPU goal in one command, PASS / FAIL "
+                               "a line; --device=cpu: its quick form)")
     warmup: int = setting(1, "unmeasured runs (sample) or iterations (train) before the measured ones (compilation, "
                              "caches)")
     repeats: int = setting(3, "measured runs or iterations; the median is reported")
@@ -122,12 +133,15 @@ class BenchConfig(TrainConfig):
     chat_pretrain_iters: int = setting(150, "mode=chat: steps of pretraining the base model")
     chat_sft_iters: int = setting(400, "mode=chat: steps of each finetuning on the conversations")
     chat_train: int = setting(4000, "mode=chat: training conversations generated")
+    budget_s: int = setting(480, "mode=gpu: seconds the command may take; its last part, the GPU speedrun pair "
+                                 "(~300 s on an H100), runs only when that much is left")
     chat_heldout: int = setting(50, "mode=chat: held-out conversations generated (2 or 3 replies each)")
 
     def validate(self):
         super().validate()
-        if self.mode not in ("sample", "train", "speedrun", "prepare", "serve", "faults", "chat"):
-            raise UserError(f"mode must be sample, train, speedrun, prepare, serve, faults or chat, got {self.mode!r}")
+        if self.mode not in ("sample", "train", "speedrun", "prepare", "serve", "faults", "chat", "gpu"):
+            raise UserError(f"mode must be sample, train, speedrun, prepare, serve, faults, chat or gpu, "
+                            f"got {self.mode!r}")
         if not all(c.strip().isdigit() and int(c) > 0 for c in self.clients.split(",")):
             raise UserError(f"clients must be positive numbers separated by commas, got {self.clients!r}")
         if self.mode == "serve" and self.prompt_lens and not all(n.strip().isdigit() and 0 < int(n) <= self.block_size
@@ -228,9 +242,19 @@ def bench_sample(cfg, workdir):
 
 def bench_train(cfg, workdir):
     """train.py's training step in this process; with cfg.nanogpt, then ours and nanoGPT's train.py side by side."""
-    step = bench_step(cfg, workdir)
+    seconds, _, _ = bench_step(cfg, workdir)
     if cfg.nanogpt:
         bench_beside_nanogpt(cfg, workdir, TrainConfig)
+    return seconds
+
+
+def gpu_step(workdir):
+    """mode=gpu's measurement of a training step: a function of bench.py's arguments (a config file and
+    --key=value settings) that runs mode=train's step there, (median seconds, tokens an iteration, MFU or None)."""
+    def step(argv):
+        cfg = configurator.parse(BenchConfig, argv)
+        cfg.validate()
+        return bench_step(cfg, tempfile.mkdtemp(prefix="step-", dir=workdir))
     return step
 
 
@@ -254,11 +278,12 @@ def bench_step(cfg, workdir):
             times.append(dt)
     flops = peak_flops(trainer.device)
     print(f"{'':8} {'ms/iter':>10} {'tokens/s':>12} {'MFU':>8}")
+    mfus = {}
     for name, dt in (("median", statistics.median(times)), ("min", min(times)), ("max", max(times))):
-        mfu = trainer.raw_model.estimate_mfu(cfg.batch_size * cfg.gradient_accumulation_steps, dt, flops) \
+        mfus[name] = trainer.raw_model.estimate_mfu(cfg.batch_size * cfg.gradient_accumulation_steps, dt, flops) \
             if flops else None
-        print(f"{name:8} {dt * 1000:10.1f} {tokens_per_iter / dt:12,.0f} {f'{mfu:.1%}' if mfu else '-':>8}")
-    return statistics.median(times)
+        print(f"{name:8} {dt * 1000:10.1f} {tokens_per_iter / dt:12,.0f} {f'{mfus[name]:.1%}' if flops else '-':>8}")
+    return statistics.median(times), tokens_per_iter, mfus["median"]
 
 
 def commands():
@@ -272,7 +297,7 @@ def commands():
 
 def main(argv=None):
     cfg = configurator.parse(BenchConfig, argv, usage="python bench.py [config/FILE.py ...] [--key=value ...] "
-                                                      "--mode=sample|train|speedrun|prepare|serve|faults|chat")
+                                                      "--mode=sample|train|speedrun|prepare|serve|faults|chat|gpu")
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -281,6 +306,8 @@ def main(argv=None):
             return bench_speedrun(cfg, workdir, TrainConfig)
         if cfg.mode == "chat":
             return bench_chat(cfg, workdir, commands())
+        if cfg.mode == "gpu":
+            return bench_gpu(cfg, workdir, gpu_step(workdir), TrainConfig)
         return {"sample": bench_sample, "train": bench_train, "prepare": bench_prepare,
                 "serve": bench_serve, "faults": bench_faults}[cfg.mode](cfg, workdir)
 

@@ -34,6 +34,7 @@ The server and the clients share the machine's cores (the clients' work is small
 """
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import json
@@ -48,7 +49,7 @@ import time
 import torch
 
 from benchmarks.llama_runs import llama_cpp_greedy, llama_cpp_text_loss
-from machinery import convert, engine, gguf_export, loading, quantize
+from machinery import convert, decode, engine, gguf_export, loading, quantize
 from machinery.fileio import read_text
 from machinery.hardware import DTYPES
 from machinery.meta import DatasetMeta
@@ -90,17 +91,12 @@ def alternating(runs, warmup, repeats):
 
 
 def batch_one(cfg, hf_dir, model, device, dtype, workdir):
-    """Greedy batch-1 tokens/s on device, alternating: our engine (as serve.py runs it) at dtype and, on the CPU,
-    with int8 weights (--quantize=int8, the rest in dtype; with --compile=True also compiled; its products alone,
-    int8_products) and llama.cpp on the same weights in Q8_0 and F16 (GGUF files of export.py --to=gguf), on CUDA
-    in float32 too; transformers' generate in float32 (and in dtype when that is another);
+    """Greedy batch-1 tokens/s on device, alternating: our engine (as serve.py runs it) at dtype and at float32
+    and, on the CPU, with int8 weights (--quantize=int8, the rest in dtype; with --compile=True also compiled; its
+    products alone, int8_products) and llama.cpp on the same weights in Q8_0 and F16 (GGUF files of export.py
+    --to=gguf); transformers' generate in float32 (and in dtype when that is another);
     ({name: (tokens/s, bytes of weights read per token)}, the memory's read bandwidth in bytes/s: a sum over
     READ_BYTES of float32, timed in turn with the rows, so that it sees the same load)."""
-    from transformers import GPT2LMHeadModel
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-
     prompt = torch.randint(0, GPT2_VOCAB_SIZE, (cfg.prompt_len,),
                            generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     n = cfg.serve_tokens
@@ -108,33 +104,23 @@ def batch_one(cfg, hf_dir, model, device, dtype, workdir):
     def ours(quantize=None, dtype=dtype, compile=False):
         return engine_greedy(hf_dir, device, dtype, prompt, n, quantize, compile)
 
-    def transformers(hf_dtype):
-        hf = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=hf_dtype).to(device).eval()
-        ids = torch.tensor([prompt], device=device)
-
-        def run():
-            with torch.no_grad():
-                hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=GPT2_EOT)
-            synchronize(device)
-        return run
-
     def llama(outtype):
         path = os.path.join(workdir, f"{outtype}.gguf")
         gguf_export.write_gguf(path, model, DatasetMeta.gpt2(), outtype)
         return llama_cpp_greedy(path, prompt, n, torch.get_num_threads())
 
     runs = {f"ours ({dtype})": (ours(), dtype)}
+    if dtype != "float32":  # whether dtype pays on this machine: both in one run
+        runs["ours (float32)"] = (ours(dtype="float32"), "float32")
     if device == "cpu":
         runs[f"ours (int8, the rest {dtype})"] = (ours("int8"), "int8")
         if cfg.compile:  # as sample.py --compile --quantize=int8 (its compiling is in the warm-up rounds)
             runs["ours (int8, --compile)"] = (ours("int8", compile=True), "int8")
         runs["int8 products alone: the kernel's bound"] = (int8_products(model, n), "int8")
         runs.update({"llama.cpp Q8_0": (llama("q8_0"), "q8_0"), "llama.cpp F16": (llama("f16"), "float16")})
-    elif dtype != "float32":
-        runs["ours (float32)"] = (ours(dtype="float32"), "float32")
-    runs["transformers generate (float32)"] = (transformers(torch.float32), "float32")
+    runs["transformers generate (float32)"] = (transformers_greedy(hf_dir, device, "float32", prompt, n), "float32")
     if dtype != "float32":  # transformers in our precision too: the same bytes to read per token
-        runs[f"transformers generate ({dtype})"] = (transformers(DTYPES[dtype]), dtype)
+        runs[f"transformers generate ({dtype})"] = (transformers_greedy(hf_dir, device, dtype, prompt, n), dtype)
     memory = torch.ones(READ_BYTES // 4, device=device)  # the memory's read bandwidth, measured in turn with the rows
 
     def read_memory():
@@ -144,6 +130,23 @@ def batch_one(cfg, hf_dir, model, device, dtype, workdir):
                           cfg.repeats)
     rates = {name: (n / seconds[name], weight_bytes(model, kind)) for name, (_, kind) in runs.items()}
     return rates, READ_BYTES / seconds["memory"]
+
+
+def transformers_greedy(hf_dir, device, dtype, prompt, n):
+    """A function that decodes n tokens greedily after prompt with transformers' GPT2LMHeadModel.generate (the
+    model in hf_dir, in dtype), and waits for the device."""
+    from transformers import GPT2LMHeadModel
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=DTYPES[dtype]).to(device).eval()
+    ids = torch.tensor([prompt], device=device)
+
+    def run():
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=GPT2_EOT)
+        synchronize(device)
+    return run
 
 
 def greedy_engine(hf_dir, device, dtype, quantize=None, compile=False):
@@ -164,6 +167,8 @@ def engine_greedy(hf_dir, device, dtype, prompt, n, quantize=None, compile=False
         g = runner.submit(engine.Request(prompt, max_tokens=n, temperature=0))
         while not g.done:
             runner.step()
+        if runner.device.type == "cuda" and runner.fixed_step.graph is None:  # an eager figure is not the graph's
+            raise RuntimeError(f"the engine's CUDA graph was not captured ({decode.EAGER_NOTE}: see above)")
     return run
 
 
@@ -181,6 +186,8 @@ def sample_command(hf_dir, device, dtype, n, repeats):
                               cwd=ROOT, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(f"sample.py failed: {proc.stderr[-2000:]}")
+        if decode.EAGER_NOTE in proc.stderr:  # an eager figure is not the graph's
+            raise RuntimeError(f"sample.py's CUDA graph was not captured: {proc.stderr[-2000:]}")
         return time.perf_counter() - t0, proc.stdout
     seconds = []
     for _ in range(repeats):
@@ -322,6 +329,39 @@ def start_server(hf_dir, dtype, port, *settings):
     raise RuntimeError(f"serve.py did not start: {''.join(seen)[-2000:]}")
 
 
+@contextlib.contextmanager
+def server(hf_dir, dtype, device, *settings):
+    """serve.py on hf_dir (start_server's), warmed up by two short requests; yields its completions URL and stops
+    it on the way out."""
+    port = free_port()
+    proc = start_server(hf_dir, dtype, port, f"--device={device}", *settings)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    try:
+        asyncio.run(load(url, list(zip(prompts(2, 8, 99), (1, 2))), 8))
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def stream_rate(url, clients, tokens, prompt_len=12):
+    """clients streaming requests of tokens tokens each at once, seeded: (tokens/s of all together, first-token
+    times, gaps between tokens)."""
+    requests = list(zip(prompts(clients, prompt_len, clients), range(clients)))
+    _, rate, first, gaps = asyncio.run(load(url, requests, tokens))
+    return rate, first, gaps
+
+
+def seeded_same(url, tokens, prompt_len=12):
+    """8 seeded requests at once, then one at a time: (tokens/s at once, tokens/s one at a time, whether each
+    text is the same both ways)."""
+    requests = list(zip(prompts(8, prompt_len, 1000), range(1000, 1008)))
+    texts, at_once, _, _ = asyncio.run(load(url, requests, tokens))
+    t0 = time.perf_counter()
+    alone = [asyncio.run(load(url, [r], tokens))[0][0] for r in requests]
+    return at_once, 8 * tokens / (time.perf_counter() - t0), alone == texts
+
+
 def free_port():
     """A TCP port of 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
@@ -351,31 +391,17 @@ def bench_serve(cfg, workdir):
           f"{SAMPLE_FEW + cfg.serve_tokens} new tokens, median of {cfg.repeats} pairs); its text the engine's "
           f"greedy text: {'yes' if text == expected else 'NO'}", flush=True)
     bpb = bits_per_byte(cfg, workdir) if cfg.text else None
-    port = free_port()
-    server = start_server(hf_dir, dtype, port, f"--device={device}")
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    try:
-        asyncio.run(load(url, list(zip(prompts(2, cfg.prompt_len, 99), (1, 2))), 8))  # warm-up
+    with server(hf_dir, dtype, device) as url:
         print(f"through serve.py ({dtype}), streaming clients, {cfg.serve_tokens} tokens each:", flush=True)
         print(f"  {'clients':>7} {'tokens/s':>9} {'first token p50':>16} {'gap p50':>9} {'gap p99':>9}")
         figures = {}
         for clients in [int(c) for c in cfg.clients.split(",")]:
-            requests = list(zip(prompts(clients, cfg.prompt_len, clients), range(clients)))
-            _, rate, first, gaps = asyncio.run(load(url, requests, cfg.serve_tokens))
-            figures[clients] = rate
-            print(f"  {clients:7} {rate:9.1f} {statistics.median(first) * 1e3:13.0f} ms "
+            figures[clients], first, gaps = stream_rate(url, clients, cfg.serve_tokens, cfg.prompt_len)
+            print(f"  {clients:7} {figures[clients]:9.1f} {statistics.median(first) * 1e3:13.0f} ms "
                   f"{percentile(gaps, 50) * 1e3:6.1f} ms {percentile(gaps, 99) * 1e3:6.1f} ms", flush=True)
-        requests = list(zip(prompts(8, cfg.prompt_len, 1000), range(1000, 1008)))
-        texts, at_once, _, _ = asyncio.run(load(url, requests, cfg.serve_tokens))
-        t0 = time.perf_counter()
-        alone = [asyncio.run(load(url, [r], cfg.serve_tokens))[0][0] for r in requests]
-        one_at_a_time = 8 * cfg.serve_tokens / (time.perf_counter() - t0)
-        same = alone == texts
+        at_once, one_at_a_time, same = seeded_same(url, cfg.serve_tokens, cfg.prompt_len)
         print(f"8 seeded requests: at once {at_once:.1f} tokens/s, one at a time {one_at_a_time:.1f} tokens/s: "
               f"{at_once / one_at_a_time:.2f}x; each text the same at once as alone: {'yes' if same else 'NO'}")
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     lengths = [int(n) for n in cfg.prompt_lens.split(",")] if cfg.prompt_lens else []
     prompt_seconds = prompt_times(hf_dir, device, dtype, lengths, cfg.repeats) if lengths else None
     return rates, bandwidth, figures, same, bpb, prompt_seconds

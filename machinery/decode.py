@@ -89,6 +89,10 @@ class Fixed:
         pass
 
 
+# what a failed capture says on stderr (bench.py refuses to report an eager figure as the graph's)
+EAGER_NOTE = "note: the decoding step runs eagerly, without a CUDA graph"
+
+
 class FixedStep:
     """The model's fixed-shape decoding step: logits (rows, 1, V) of one token per row of the cache, torch.compiled
     when asked (static shapes: one graph, whatever the lengths). On CUDA it is captured as a graph at the first
@@ -116,7 +120,7 @@ class FixedStep:
                 # step runs eagerly, as the model itself
                 torch.cuda.set_stream(stream)
                 self.graph, self._run = None, self._eager
-                print(f"note: the decoding step runs eagerly, without a CUDA graph ({type(e).__name__}: "
+                print(f"{EAGER_NOTE} ({type(e).__name__}: "
                       f"{str(e).splitlines()[0][:160] if str(e) else ''})", file=sys.stderr)
         if self.graph is None:
             return self._run()

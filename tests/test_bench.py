@@ -1,6 +1,7 @@
 """bench.py on tiny models and a tiny corpus: the modes run, read training config files, and report what they
 measured."""
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -88,6 +89,14 @@ def test_sample_py_is_timed_as_users_run_it_from_the_difference_of_two_runs(hf_d
     monkeypatch.setattr(bench_serve.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "x", ""))
     fake_clock(monkeypatch, [1.0, 1.0, 2.0, 1.5, 1.5, 1.25], module=bench_serve)
     assert math.isnan(bench_serve.sample_command(str(path), "cpu", "float32", n, repeats=3)[0])
+    # a run whose CUDA graph failed to capture (the fixed step's note on stderr) is an error, not an eager figure
+    from machinery import decode
+
+    note = f"{decode.EAGER_NOTE} (RuntimeError: operation not permitted when stream is capturing)\n"
+    monkeypatch.setattr(bench_serve.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "x", note))
+    fake_clock(monkeypatch, [1.0, 2.0], module=bench_serve)
+    with pytest.raises(RuntimeError, match="sample.py's CUDA graph was not captured: note: the decoding step"):
+        bench_serve.sample_command(str(path), "cuda", "bfloat16", n, repeats=1)
 
 
 def test_the_prompt_table_times_each_length_on_each_dtype_in_turn_and_says_whether_auto_keeps_up(monkeypatch, capsys):
@@ -145,7 +154,7 @@ def test_train_mode_reads_a_training_config_file(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("arg,message", [("--mode=fast", "mode must be sample, train, speedrun, prepare, "
-                                                        "serve, faults or chat, got 'fast'"),
+                                                        "serve, faults, chat or gpu, got 'fast'"),
                                          ("--chat_sft_iters=0", "chat_sft_iters must be positive"),
                                          ("--prompt_len=17", "prompt_len .17. must be at most block_size"),
                                          ("--num_proc=-1", "num_proc must not be negative"),
@@ -513,3 +522,62 @@ def test_chat_mode_runs_end_to_end(capsys):
 def test_chat_mode_without_its_text_is_one_line(tmp_path):
     proc = run_in_process(bench.main, "--mode=chat", "--chat_pretrain=text", f"--text_source={tmp_path / 'none.txt'}")
     assert_one_error_line(proc, "--text_source", "none.txt")
+
+
+GPU_LINES = ["CUDA tests", "sample.py bfloat16, ", "sample.py float32, ", "serve.py ", "serve.py, one client",
+             "serve.py, 8 seeded requests", "Muon's step against AdamW's", "GPT-2 124M training step",
+             "GPU speedrun against nanoGPT's recipe"]
+
+
+def test_gpu_mode_runs_its_quick_form_on_a_cpu_and_prints_every_line(capsys, monkeypatch):
+    # the real parts, small (sample.py, serve.py and train.py as processes, the steps in-process); only the CUDA
+    # test files are cut to one (the suite runs them all anyway)
+    from benchmarks import gpu
+
+    monkeypatch.setattr(gpu, "CUDA_TESTS", ["tests/test_cuda_decoding.py"])
+    points = bench.main(["--mode=gpu", "--device=cpu"])
+    out = capsys.readouterr().out
+    assert len(points) == len(GPU_LINES) and all(p.name.startswith(n) for p, n in zip(points, GPU_LINES)), points
+    # on a CPU no goal is judged: every figure is "not measured" but the one that holds anywhere
+    assert [p.verdict for p in points] == ["not measured"] * 5 + ["PASS"] + ["not measured"] * 3, points
+    assert out.startswith("machine: no GPU: device cpu")
+    table = re.findall(r"^\| (.+) \| (.+) \| (PASS|FAIL|not measured) \|$", out, re.M)
+    assert [name for name, _, _ in table] == [p.name for p in points]
+    assert all(figure.endswith("(CPU quick form)") for _, figure, verdict in table[1:] if verdict != "PASS")
+
+
+def test_gpu_mode_judges_a_gpus_figures_by_the_goals_and_a_failed_part_does_not_stop_the_rest(monkeypatch, capsys):
+    # a GPU stood in for: each part's figures made up, the verdicts by the goals (1,000 tokens/s and 6x
+    # transformers; 10,000 and 800 tokens/s); a part that raises is one FAIL line; no time left: no speedrun
+    from benchmarks import gpu
+
+    rates = {"bfloat16": 1200.0, "float32": 600.0}
+    monkeypatch.setattr(gpu, "pick_device", lambda device: "cuda")
+    monkeypatch.setattr(gpu, "pick_dtype", lambda dtype, device: "bfloat16")  # (an H100's auto)
+    monkeypatch.setattr(gpu, "machine", lambda device: "machine: a stand-in GPU")
+    monkeypatch.setattr(gpu.serve, "gpt2_shaped", lambda cfg, directory: None)
+    monkeypatch.setattr(gpu, "cuda_tests", lambda on_gpu: [gpu.Point("CUDA tests", "12 passed", "PASS")])
+    monkeypatch.setattr(gpu.serve, "sample_text", lambda *args: "text")
+    monkeypatch.setattr(gpu.serve, "sample_command", lambda hf_dir, device, dtype, n, repeats: (rates[dtype], "text"))
+    monkeypatch.setattr(gpu.serve, "transformers_greedy", lambda hf_dir, device, dtype, prompt, n: dtype)
+    monkeypatch.setattr(gpu, "timings", lambda run, repeats: [500 / {"bfloat16": 250, "float32": 100}[run]] * 3)
+    monkeypatch.setattr(gpu.serve, "server", lambda *args: contextlib.nullcontext(args[3:]))
+    monkeypatch.setattr(gpu.serve, "stream_rate",
+                        lambda url, clients, tokens: ({1: 900.0, 8: 5000.0, 32: 9000.0}[clients] if not url else
+                                                      700.0, [], []))
+    monkeypatch.setattr(gpu.serve, "seeded_same", lambda url, tokens: (4000.0, 900.0, True))
+    monkeypatch.setattr(gpu, "training_steps", lambda on_gpu, size, step: 1 / 0)
+    points = bench.main(["--mode=gpu", "--budget_s=100"])
+    verdicts = [(p.name.split(",")[0].split(" (")[0], p.verdict) for p in points]
+    assert verdicts == [("CUDA tests", "PASS"),
+                        ("sample.py bfloat16", "FAIL"),  # 1,200 tokens/s but 4.8x transformers' 250
+                        ("sample.py float32", "PASS"),
+                        ("serve.py bfloat16", "FAIL"),  # 9,000 at 32 clients
+                        ("serve.py", "PASS"),  # one client: 900 (700 at max_batch 1)
+                        ("serve.py", "PASS"),  # seeded: the same
+                        ("training steps", "FAIL"),  # the part that raised
+                        ("GPU speedrun against nanoGPT's recipe", "not measured")]  # 100 s budget
+    assert "ZeroDivisionError" in points[6].figure and "900 at max_batch 32, 700 at max_batch 1" in points[4].figure
+    rates["bfloat16"] = 1500.0  # 6x transformers' 250
+    assert bench.main(["--mode=gpu", "--budget_s=100"])[1].verdict == "PASS"
+    assert "| sample.py bfloat16" in capsys.readouterr().out
