@@ -21,6 +21,7 @@ Then the table for BENCHMARKS.md. The goals are issues 31 and 32's.
 """
 
 import dataclasses
+import math
 import os
 import platform
 import statistics
@@ -64,9 +65,11 @@ def sizes(gpu):
     """The settings of each part: as the goals state them on a GPU, small and quick on a CPU."""
     if gpu:
         return dict(layers=dict(n_layer=12, n_head=12, n_embd=768), tokens=500, repeats=3, clients="1,8,32",
-                    serve_tokens=300, train=dict(warmup=10, repeats=30), quick=[])
+                    serve_tokens=300, train=dict(warmup=10, repeats=30), quick=[], dtypes=("bfloat16", "float32"),
+                    lone_server=True)
+    # (the quick form runs each kind of process once at most: a test runs it, and the suite's time is counted)
     return dict(layers=dict(n_layer=2, n_head=2, n_embd=64), tokens=40, repeats=1, clients="1,8,32",
-                serve_tokens=8, train=dict(warmup=1, repeats=3),
+                serve_tokens=8, train=dict(warmup=1, repeats=3), dtypes=("float32",), lone_server=False,
                 quick=["--max_iters=10", "--lr_decay_iters=10", "--eval_iters=2", "--eval_interval=10",
                        "--batch_size=4", "--block_size=64", "--n_layer=1", "--n_head=2", "--n_embd=32", "--device=cpu",
                        "--compile=False"])
@@ -98,6 +101,10 @@ def decoding(cfg, hf_dir, gpu, size):
     prompt = torch.randint(0, GPT2_VOCAB_SIZE, (20,), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     points, n = [], size["tokens"]
     for dtype in ("bfloat16", "float32"):
+        if dtype not in size["dtypes"]:
+            points.append(judged(f"sample.py {dtype}, GPT-2 shape, batch 1 greedy", "not timed: the quick form "
+                                 "times float32 only", False, gpu))
+            continue
         serve.sample_text(hf_dir, device, dtype, n)  # refuses a model that stops early
         ours, _ = serve.sample_command(hf_dir, device, dtype, n, size["repeats"])
         theirs = statistics.median(n / t for t in timings(serve.transformers_greedy(hf_dir, device, dtype, prompt, n),
@@ -132,8 +139,10 @@ def serving(hf_dir, gpu, size):
     with serve.server(hf_dir, dtype, device) as url:
         rates = {c: serve.stream_rate(url, c, tokens)[0] for c in clients}
         at_once, alone, same = serve.seeded_same(url, tokens)
-    with serve.server(hf_dir, dtype, device, "--max_batch=1") as url:
-        lone = serve.stream_rate(url, 1, tokens)[0]
+    lone = math.nan  # (a second server: not in the quick form)
+    if size["lone_server"]:
+        with serve.server(hf_dir, dtype, device, "--max_batch=1") as url:
+            lone = serve.stream_rate(url, 1, tokens)[0]
     table = ", ".join(f"{c}: {r:,.0f}" for c, r in rates.items())
     return [judged(f"serve.py {dtype}, streaming clients, tokens/s (goal 32 clients >= 10,000)", table,
                    rates.get(32, 0) >= 10000, gpu),
