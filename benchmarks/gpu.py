@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks import runs, serve
-from machinery.hardware import describe, peak_flops, pick_device, pick_dtype
+from machinery.hardware import describe, pick_device, pick_dtype
 from machinery.tokenizer import GPT2_VOCAB_SIZE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,15 +64,16 @@ def judged(name, figure, ok, gpu):
 def sizes(gpu):
     """The settings of each part: as the goals state them on a GPU, small and quick on a CPU."""
     if gpu:
-        return dict(layers=dict(n_layer=12, n_head=12, n_embd=768), tokens=500, repeats=3, clients="1,8,32",
-                    serve_tokens=300, train=dict(warmup=10, repeats=30), quick=[], dtypes=("bfloat16", "float32"),
-                    lone_server=True)
+        return dict(device="cuda", layers=dict(n_layer=12, n_head=12, n_embd=768), tokens=500, repeats=3,
+                    serve_tokens=300, train=dict(warmup=10, repeats=30), small=[], quick=[],
+                    dtypes=("bfloat16", "float32"), lone_server=True)
     # (the quick form runs each kind of process once at most: a test runs it, and the suite's time is counted)
-    return dict(layers=dict(n_layer=2, n_head=2, n_embd=64), tokens=40, repeats=1, clients="1,8,32",
-                serve_tokens=8, train=dict(warmup=1, repeats=3), dtypes=("float32",), lone_server=False,
-                quick=["--max_iters=10", "--lr_decay_iters=10", "--eval_iters=2", "--eval_interval=10",
-                       "--batch_size=4", "--block_size=64", "--n_layer=1", "--n_head=2", "--n_embd=32", "--device=cpu",
-                       "--compile=False"])
+    small = ["--batch_size=4", "--block_size=64", "--n_layer=1", "--n_head=2", "--n_embd=32", "--compile=False",
+             "--gradient_accumulation_steps=1"]
+    return dict(device="cpu", layers=dict(n_layer=2, n_head=2, n_embd=64), tokens=40, repeats=1, serve_tokens=8,
+                train=dict(warmup=1, repeats=3), small=small, dtypes=("float32",), lone_server=False,
+                quick=[*small, "--max_iters=10", "--lr_decay_iters=10", "--eval_iters=2", "--eval_interval=10",
+                       "--device=cpu"])
 
 
 def machine(device):
@@ -97,7 +98,7 @@ def cuda_tests(gpu):
 def decoding(cfg, hf_dir, gpu, size):
     """sample.py's batch-1 greedy tokens/s (whole processes) at bfloat16 and float32 against transformers'
     generate in the same dtype, on the random model of GPT-2's shape in hf_dir."""
-    device = "cuda" if gpu else "cpu"
+    device = size["device"]
     prompt = torch.randint(0, GPT2_VOCAB_SIZE, (20,), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     points, n = [], size["tokens"]
     for dtype in ("bfloat16", "float32"):
@@ -133,9 +134,9 @@ def timings(run, repeats):
 def serving(hf_dir, gpu, size):
     """serve.py (its default max_batch, 32) under 1 / 8 / 32 streaming clients, 8 seeded requests at once against
     alone, then one client of a server with max_batch 1: tokens/s of each."""
-    device = "cuda" if gpu else "cpu"
+    device = size["device"]
     dtype = pick_dtype("auto", device)
-    tokens, clients = size["serve_tokens"], [int(c) for c in size["clients"].split(",")]
+    tokens, clients = size["serve_tokens"], (1, 8, 32)
     with serve.server(hf_dir, dtype, device) as url:
         rates = {c: serve.stream_rate(url, c, tokens)[0] for c in clients}
         at_once, alone, same = serve.seeded_same(url, tokens)
@@ -156,14 +157,12 @@ def serving(hf_dir, gpu, size):
 def training_steps(gpu, size, step):
     """Muon's step against AdamW's on the GPU speedrun's model, and GPT-2 124M's step (ms/iter, tokens/s, MFU);
     step(argv) is bench.py --mode=train's measurement: (median seconds, tokens an iteration, MFU or None)."""
-    extra = [f"--device={'cuda' if gpu else 'cpu'}", f"--warmup={size['train']['warmup']}",
-             f"--repeats={size['train']['repeats']}"]
-    small = [] if gpu else ["--n_layer=2", "--n_embd=64", "--n_head=2", "--block_size=64", "--batch_size=4",
-                            "--gradient_accumulation_steps=1", "--compile=False"]
+    extra = [f"--device={size['device']}", f"--warmup={size['train']['warmup']}",
+             f"--repeats={size['train']['repeats']}", *size["small"]]
     speedrun_model = os.path.join(ROOT, "config/speedrun_shakespeare_char_gpu.py")
-    muon, _, _ = step([speedrun_model, *extra, *small])
-    adamw, _, _ = step([speedrun_model, *extra, *small, "--optimizer=adamw"])
-    seconds, tokens, mfu = step([os.path.join(ROOT, "config/train_gpt2.py"), *extra, *small])
+    muon, _, _ = step([speedrun_model, *extra])
+    adamw, _, _ = step([speedrun_model, *extra, "--optimizer=adamw"])
+    seconds, tokens, mfu = step([os.path.join(ROOT, "config/train_gpt2.py"), *extra])
     mfu_text = f"MFU {mfu:.1%}" if mfu else "MFU: no peak known for this device"
     return [judged("Muon's step against AdamW's, GPU speedrun model (goal <= 1.3x)",
                    f"{muon * 1e3:.1f} against {adamw * 1e3:.1f} ms/iter: {muon / adamw:.2f}x", muon <= 1.3 * adamw,
