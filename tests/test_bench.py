@@ -282,6 +282,25 @@ def nanogpt(tmp_path, monkeypatch):
     return clone / "train.py", tmp_path / "nanogpt.json"
 
 
+def scripts_in_process(monkeypatch, scripts):
+    """`python SCRIPT ...` processes of the benchmarks (subprocess.run) run in this process instead when SCRIPT is
+    one of ours (in ROOT) named by a key of scripts (its main); others (nanoGPT's train.py) run as they are.
+    Returns the argument lists each got."""
+    real, calls = subprocess.run, {name: [] for name in scripts}
+
+    def run(argv, cwd=None, **kwargs):
+        path = os.path.join(cwd or os.getcwd(), argv[1]) if len(argv) > 1 else ""
+        name = os.path.basename(path)
+        if os.path.dirname(os.path.abspath(path)) != os.path.abspath(ROOT) or name not in scripts:
+            return real(argv, cwd=cwd, **kwargs)
+        calls[name].append(argv[2:])
+        proc = run_in_process(scripts[name], *argv[2:])
+        return subprocess.CompletedProcess(argv, proc.returncode, proc.stdout, proc.stderr)
+
+    monkeypatch.setattr(subprocess, "run", run)  # (the benchmarks' modules share this one subprocess module)
+    return calls
+
+
 @pytest.fixture
 def train_in_process(monkeypatch):
     """Our train.py's runs (`python train.py ...` processes in the benchmark) in this process instead (faster; what
@@ -289,17 +308,7 @@ def train_in_process(monkeypatch):
     argument lists our train.py was given."""
     import train
 
-    real, calls = subprocess.run, []
-
-    def run(argv, cwd=None, **kwargs):
-        if argv[1] != "train.py":
-            return real(argv, cwd=cwd, **kwargs)
-        calls.append(argv[2:])
-        proc = run_in_process(train.main, *argv[2:])
-        return subprocess.CompletedProcess(argv, proc.returncode, proc.stdout, proc.stderr)
-
-    monkeypatch.setattr(bench_runs.subprocess, "run", run)
-    return calls
+    return scripts_in_process(monkeypatch, {"train.py": train.main})["train.py"]
 
 
 def parse(log, first_step):
@@ -530,10 +539,16 @@ GPU_LINES = ["CUDA tests", "sample.py bfloat16, ", "sample.py float32, ", "serve
 
 
 def test_gpu_mode_runs_its_quick_form_on_a_cpu_and_prints_every_line(capsys, monkeypatch):
-    # the real parts, small (sample.py, serve.py and train.py as processes, the steps in-process); only the CUDA
-    # test files are cut to one (the suite runs them all anyway)
+    # the real parts, small: serve.py and the CUDA tests' pytest as processes; sample.py's, train.py's and
+    # prepare.py's runs in this process (tests of their own above time them as processes); the CUDA test files
+    # cut to one (the suite runs them all anyway)
+    import prepare
+    import sample
+    import train
     from benchmarks import gpu
 
+    calls = scripts_in_process(monkeypatch, {"sample.py": sample.main, "train.py": train.main,
+                                             "prepare.py": prepare.main})
     monkeypatch.setattr(gpu, "CUDA_TESTS", ["tests/test_cuda_decoding.py"])
     points = bench.main(["--mode=gpu", "--device=cpu"])
     out = capsys.readouterr().out
@@ -544,6 +559,9 @@ def test_gpu_mode_runs_its_quick_form_on_a_cpu_and_prints_every_line(capsys, mon
     table = re.findall(r"^\| (.+) \| (.+) \| (PASS|FAIL|not measured) \|$", out, re.M)
     assert [name for name, _, _ in table] == [p.name for p in points]
     assert all(figure.endswith("(CPU quick form)") for _, figure, verdict in table[1:] if verdict != "PASS")
+    assert [os.path.basename(args[0]) for args in calls["train.py"]] == ["speedrun_shakespeare_char_gpu.py",
+                                                                         "train_shakespeare_char.py"]
+    assert len(calls["sample.py"]) == 2  # the runs of SAMPLE_FEW and SAMPLE_FEW + n tokens
 
 
 def test_gpu_mode_judges_a_gpus_figures_by_the_goals_and_a_failed_part_does_not_stop_the_rest(monkeypatch, capsys):
