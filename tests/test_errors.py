@@ -3,11 +3,13 @@ and nothing already in out_dir or the data directory changed."""
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import assert_one_error_line, make_corpus, run, run_in_process, tiny_train_args, train as train_in_process
+from conftest import ROOT, assert_one_error_line, make_corpus, run, run_in_process, tiny_train_args, train as train_in_process
 import prepare
 import sample
 import train
@@ -142,3 +144,14 @@ def test_scripts_report_errors_the_same_way(copy, script, args, words):
     proc = run(script, *[a.format(tmp=copy) for a in args], cwd=copy)
     assert_one_error_line(proc, *words)
     assert snapshot(copy / "data", copy / "out") == before
+
+
+def test_a_command_that_ends_without_teardown_still_delivers_its_output_and_status():
+    """sample.py's exit_without_teardown: what was printed but still in the buffers of a pipe (unflushed, no
+    newline) reaches the reader, on both streams, and the status is the one given."""
+    code = ("import sys; from machinery.errors import exit_without_teardown; print('out', end=''); "
+            "print('err', end='', file=sys.stderr); exit_without_teardown(3)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (buffered, as users run it)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "out", "err")
