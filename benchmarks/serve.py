@@ -291,9 +291,11 @@ async def client(http, url, prompt, seed, tokens):
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 1.0, "seed": seed, "stream": True}
     async with http.stream("POST", url, json=body, timeout=600) as r:
         async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                stamps.append(time.perf_counter())
-                text += json.loads(line[6:])["choices"][0]["text"]
+            if line.startswith("data: {"):  # (not the last chunk, which carries finish_reason and no text)
+                choice = json.loads(line[6:])["choices"][0]
+                if choice["finish_reason"] is None:
+                    stamps.append(time.perf_counter())
+                    text += choice["text"]
     return text, stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], len(stamps)
 
 

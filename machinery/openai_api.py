@@ -6,12 +6,15 @@ field by field, so that every mistake gets OpenAI's error object and a 4xx statu
     GET  /                      the web page (chat.html beside this file: no CDN, works offline)
     GET  /health                {"status": "ok", "running": N, "waiting": M}; 503 once the engine cannot serve
     GET  /v1/models             the one model, by name, and its context length (max_model_len)
+    GET  /v1/models/{name}      that model (404 for another name)
     POST /v1/completions        prompt: a string, a list of token ids, or a list of either; max_tokens (16),
                                 temperature (1), top_p, top_k (an extension), n, stop, seed, stream, echo,
                                 logprobs (0-5), stream_options.include_usage
     POST /v1/chat/completions   messages, in the model's chat format (chat.py) or, for a base model, rendered by
-                                CHAT_TEMPLATE; max_tokens / max_completion_tokens (default: up to the context); the
-                                other settings as above
+                                CHAT_TEMPLATE (a developer message is the system message); max_tokens /
+                                max_completion_tokens (default: up to the context), logprobs (true/false),
+                                top_logprobs (0-20); the other settings as above. response_format {"type": "text"}
+                                only; tools, JSON output, audio and the like are refused (CHAT_UNSUPPORTED)
     GET  /tokenizer_info        eos / bos / pad tokens, the chat template (Jinja), model_max_length
     POST /tokenize              {"prompt", "add_special_tokens"} -> {"tokens", "count", "max_model_len"}
     POST /detokenize            {"tokens"} -> {"prompt"}
@@ -26,7 +29,12 @@ Semantics worth knowing:
   server shuts down mid-generation). A chat model's reply stops at the assistant's end of turn (talk.py).
 - logprobs are the model's own log-probabilities (log-softmax of its logits, whatever the temperature),
   for every token sampled, the stop token included; with echo the prompt's tokens come first, the first
-  one's None. top_logprobs: the `logprobs` most likely tokens at each position, by their text.
+  one's None. top_logprobs: the `logprobs` most likely tokens at each position, by their text. Chat's:
+  choices[].logprobs.content, an entry {token, logprob, bytes, top_logprobs} a token of the reply (its end
+  of turn is none).
+- Streams end as OpenAI's: the text in chunks whose finish_reason is null, then a chunk without text (chat:
+  delta {}) that carries it; a chat stream's first chunk says role "assistant". With
+  stream_options.include_usage every chunk says "usage": null but the last, whose choices are [].
 - seed: choice i of a request draws with seed + i (its own torch.Generator), so the same seeded request
   gives the same text alone or among others (machinery/engine.py). Without a seed, a random one.
 - With an API key, every route but / and /health needs `Authorization: Bearer KEY` (401 without). POST routes
@@ -58,8 +66,18 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['con
                  "{% else %}Assistant: {{ m['content'] }}\n{% endif %}{% endfor %}"
                  "{% if add_generation_prompt %}Assistant:{% endif %}")
 CHAT_STOP = "\nUser:"
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # OpenAI's -> ours
 MAX_STOP_TEXTS = 4
-MAX_LOGPROBS = 5
+MAX_LOGPROBS = 5  # completions' logprobs (OpenAI's legacy limit)
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
+# chat/completions fields of OpenAI's that this server does not do (it writes plain text, with no tools, audio, web
+# search or reasoning): refused (400 unsupported) unless absent, null or one of the values that change nothing
+CHAT_UNSUPPORTED = {"tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+                    "audio": (), "prediction": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
+                    "store": (False,), "modalities": (["text"],), "service_tier": ("auto", "default")}
+# ... and those that change nothing here (who the end user is, a caching hint, tags): checked, then unused
+CHAT_NO_OPS = {"user": str, "safety_identifier": str, "prompt_cache_key": str, "metadata": dict,
+               "parallel_tool_calls": bool}
 STREAM_BACKLOG = 64  # events a stream may leave unread before its generation pauses (Generation.max_backlog)
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a 64-bit signed integer, as OpenAI's and vLLM's seed
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
@@ -140,6 +158,7 @@ class Requests:
                               ("logit_bias", {})):
             if body.get(name) not in (None, neutral):
                 raise APIError(400, f"{name} is not supported by this server", name, "unsupported")
+        check_response_format(body)
 
     def choices(self, prompts):
         """The engine Requests: for each prompt, n choices (choice i with seed + i)."""
@@ -151,6 +170,38 @@ class Requests:
                         self.temperature, self.top_k, self.top_p, None if self.seed is None else self.seed + i,
                         self.stop, self.stop_tokens, self.logprobs, self.echo)
                 for ids in prompts for i in range(self.n)]
+
+
+def check_response_format(body):
+    """A request's response_format: {"type": "text"} (or none) is what this server writes; JSON output is refused, as
+    it has no constrained decoding to guarantee it."""
+    expect = 'an object {"type": "text"}'
+    kind = field(body, "response_format", dict, {"type": "text"}, expect=expect).get("type")
+    if kind in ("json_object", "json_schema"):
+        raise APIError(400, f"response_format {kind} is not supported by this server (it cannot constrain its output "
+                            f'to JSON); send {{"type": "text"}} or leave it out', "response_format", "unsupported")
+    if kind != "text":
+        raise APIError(400, f"response_format must be {expect}, got type {json.dumps(kind)[:80]}", "response_format",
+                       "invalid_value")
+
+
+def check_chat_fields(body):
+    """Refuse the chat fields this server does not do (CHAT_UNSUPPORTED), check those that change nothing
+    (CHAT_NO_OPS); return how many alternatives each token comes with: top_logprobs with logprobs true (0 without
+    it), None without logprobs."""
+    for name, no_ops in CHAT_UNSUPPORTED.items():
+        if body.get(name) is not None and body[name] not in no_ops:
+            raise APIError(400, f"{name} is not supported by this server: it writes plain text only; send the "
+                                f"request without {name}", name, "unsupported")
+    for name, kind in CHAT_NO_OPS.items():
+        field(body, name, kind, expect={str: "a string", dict: "an object", bool: "true or false"}[kind])
+    wanted = field(body, "logprobs", bool, False, expect="true or false")
+    top = field(body, "top_logprobs", int, None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+                f"an integer from 0 to {MAX_TOP_LOGPROBS}")
+    if top is not None and not wanted:
+        raise APIError(400, "top_logprobs needs logprobs: true; send both, or neither", "top_logprobs",
+                       "invalid_value")
+    return (top or 0) if wanted else None
 
 
 def prompts_of(server, prompt):
@@ -172,12 +223,14 @@ def _is_id(value):
 
 
 class Completion:
-    """One choice being generated: its text, logprobs (as OpenAI writes them) and end, from Token events."""
+    """One choice being generated: its text, logprobs (as OpenAI writes them: completions' four lists, chat's
+    content entries) and end, from Token events."""
 
     def __init__(self, server, generation, index, chat=False):
         self.server, self.generation, self.index, self.chat = server, generation, index, chat
         self.text, self.finish_reason = "", None
-        self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.logprobs = {"content": []} if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                      "text_offset": []}
         self.prompt_ids, self.offset = [], 0
 
     def add(self, token):
@@ -188,28 +241,55 @@ class Completion:
             self.prompt_ids.append(token.id)
             added = tokenizer.decode(self.prompt_ids) if len(self.prompt_ids) == self.generation.prompt_tokens else ""
         if token.id is not None and request.logprobs is not None:
-            piece = tokenizer.decode([token.id])
-            top = {tokenizer.decode([i]): lp for i, lp in token.top} if token.top is not None else None
-            for key, value in (("tokens", piece), ("token_logprobs", token.logprob), ("top_logprobs", top),
-                               ("text_offset", self.offset)):
-                self.logprobs[key].append(value)
-            self.offset += len(piece)
+            self.score(token, request)
         self.text += added
         self.finish_reason = token.finish_reason
         return added
 
-    def choice(self, delta=None, logprobs=None):
-        """This choice in a response (delta: in a stream chunk). A base model's reply loses the spaces that follow
-        CHAT_TEMPLATE's "Assistant:"; a chat model's is its text as written."""
+    def score(self, token, request):
+        """Add token's log-probability and its top alternatives. Chat's entries are the reply's tokens: an end of
+        turn (a stop token, not part of the text) is not one, as in OpenAI's."""
+        tokenizer = self.server.tokenizer
         if self.chat:
-            content = (self.text if self.server.chat_format else self.text.lstrip()) if delta is None else delta
-            message = {"role": "assistant", "content": content}
-            return {"index": self.index, ("message" if delta is None else "delta"): message,
+            if not (token.finish_reason == "stop" and token.id in request.stop_tokens):
+                entry = scored(tokenizer, token.id, token.logprob)
+                entry["top_logprobs"] = [scored(tokenizer, i, lp) for i, lp in token.top]
+                self.logprobs["content"].append(entry)
+            return
+        piece = tokenizer.decode([token.id])
+        top = {tokenizer.decode([i]): lp for i, lp in token.top} if token.top is not None else None
+        for key, value in (("tokens", piece), ("token_logprobs", token.logprob), ("top_logprobs", top),
+                           ("text_offset", self.offset)):
+            self.logprobs[key].append(value)
+        self.offset += len(piece)
+
+    def choice(self):
+        """This choice in a whole response. A base model's reply loses the spaces that follow CHAT_TEMPLATE's
+        "Assistant:"; a chat model's is its text as written."""
+        logprobs = self.logprobs if self.generation.request.logprobs is not None else None
+        if self.chat:
+            content = self.text if self.server.chat_format else self.text.lstrip()
+            return {"index": self.index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
                     "finish_reason": self.finish_reason}
-        chosen = self.logprobs if logprobs is None else logprobs
-        return {"index": self.index, "text": self.text if delta is None else delta,
-                "logprobs": chosen if self.generation.request.logprobs is not None else None,
-                "finish_reason": self.finish_reason}
+        return {"index": self.index, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+
+    def delta(self, text, logprobs=None):
+        """This choice in a stream chunk: text and the logprobs of its tokens, or (text None) its end, as OpenAI's
+        streams end: a chunk of no text that carries finish_reason."""
+        logprobs = logprobs if text is not None and self.generation.request.logprobs is not None else None
+        finish_reason = self.finish_reason if text is None else None
+        if self.chat:
+            return {"index": self.index, "delta": {} if text is None else {"content": text}, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
+        return {"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def scored(tokenizer, token_id, logprob):
+    """A token in chat's logprobs: its text, log-probability and UTF-8 bytes (a GPT-2 BPE token can be part of a
+    character: its text alone is U+FFFD, its bytes are what the client joins)."""
+    raw = (tokenizer.enc.decode_single_token_bytes(token_id) if tokenizer.kind == "gpt2"
+           else tokenizer.decode([token_id]).encode("utf-8"))
+    return {"token": tokenizer.decode([token_id]), "logprob": logprob, "bytes": list(raw)}
 
 
 def usage(completions):
@@ -267,6 +347,11 @@ class Server:
             ids = self.encode(chat_template().render(messages=messages, add_generation_prompt=True), "messages")
             requests.stop = requests.stop + (CHAT_STOP,)
         return self.prompt_ids(ids, "messages")
+
+    def model_card(self):
+        """The served model as OpenAI's API describes one (an item of /v1/models), with its context length."""
+        return {"id": self.name, "object": "model", "created": 0, "owned_by": "gpt", "max_model_len": self.block_size,
+                "chat_format": self.chat_format}
 
     def check_model(self, body):
         model = field(body, "model", str, self.name, expect="a string")
@@ -378,14 +463,15 @@ async def stream(server, choices, chat, include_usage):
     rid, created, completions = response_id(chat), int(time.time()), choices.completions
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(choices, **extra):
+    def chunk(choices, **extra):  # (with include_usage, every chunk but the last says "usage": null, as OpenAI's)
         return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": server.name,
-                                      "choices": choices, **extra}) + "\n\n"
+                                      "choices": choices, **({"usage": None} if include_usage else {}),
+                                      **extra}) + "\n\n"
 
     try:
         if chat:
-            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                         for c in completions])
+            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for c in completions])
         started = [False] * len(completions)
         async for c, token in choices.events():
             before = {k: len(v) for k, v in c.logprobs.items()}
@@ -396,10 +482,10 @@ async def stream(server, choices, chat, include_usage):
                 text = text.lstrip()
                 started[c.index] = bool(text)
             logprobs = {k: v[before[k]:] for k, v in c.logprobs.items()}
-            if text or logprobs["tokens"] or c.finish_reason:
-                yield chunk([c.choice(delta=text, logprobs=logprobs) if not chat else
-                             {"index": c.index, "delta": {"content": text} if text else {},
-                              "finish_reason": c.finish_reason}])
+            if text or any(logprobs.values()):
+                yield chunk([c.delta(text, logprobs)])
+            if c.finish_reason:
+                yield chunk([c.delta(None)])
         if include_usage:
             yield chunk([], usage=usage(completions))
     except Exception as e:  # the status line is sent already: the error goes in the stream, which still ends
@@ -419,7 +505,8 @@ def completion_body(server, completions, chat):
 
 def read_messages(messages):
     """The messages of a chat request as {role, content} with a string content. A message's content is a string or
-    a list of text parts ([{"type": "text", "text": ...}], as many chat UIs send it), joined by newlines."""
+    a list of text parts ([{"type": "text", "text": ...}], as many chat UIs send it), joined by newlines. A
+    developer message is the system message (OpenAI's name for it with newer models)."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages",
                        "invalid_type")
@@ -429,10 +516,11 @@ def read_messages(messages):
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                              and isinstance(p.get("text"), str) for p in content):
             content = "\n".join(p["text"] for p in content)
-        if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(content, str)):
-            raise APIError(400, "each message must be {\"role\": \"system\" | \"user\" | \"assistant\", "
-                                "\"content\": a string or a list of text parts}", "messages", "invalid_value")
-        plain.append({"role": m["role"], "content": content})
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(content, str)):
+            raise APIError(400, "each message must be {\"role\": \"system\" | \"developer\" | \"user\" | "
+                                "\"assistant\", \"content\": a string or a list of text parts}", "messages",
+                           "invalid_value")
+        plain.append({"role": ROLES[m["role"]], "content": content})
     return plain
 
 
@@ -559,8 +647,13 @@ def add_generation_routes(app, server):
     @app.get("/v1/models")
     async def models(request: HTTPRequest):
         await body_of(server, request)
-        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": 0, "owned_by": "gpt",
-                                            "max_model_len": server.block_size, "chat_format": server.chat_format}]}
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{model:path}")  # (path: a served name may hold a slash, as Hugging Face's do)
+    async def model_card(model: str, request: HTTPRequest):
+        await body_of(server, request)
+        server.check_model({"model": model})
+        return server.model_card()
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
@@ -576,10 +669,12 @@ def add_generation_routes(app, server):
     async def chat_completions(request: HTTPRequest):
         body = await body_of(server, request)
         server.check_model(body)
-        for name in ("logprobs", "top_logprobs", "echo"):
-            if body.pop(name, None) not in (None, False, 0):
-                raise APIError(400, f"{name} is not supported for chat completions here", name, "unsupported")
-        requests = Requests(server, body, max_tokens=None)
+        logprobs = check_chat_fields(body)
+        if body.get("echo") not in (None, False):
+            raise APIError(400, "echo is not supported for chat completions", "echo", "unsupported")
+        # (chat's logprobs is true or false, not the completions' count that Requests reads)
+        requests = Requests(server, {k: v for k, v in body.items() if k != "logprobs"}, max_tokens=None)
+        requests.logprobs = logprobs
         prompt = server.chat_prompt(body.get("messages"), requests)
         return await answer(server, request, [prompt], requests, chat=True)
 
