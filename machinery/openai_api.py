@@ -285,10 +285,10 @@ class Completion:
 
 
 def scored(tokenizer, token_id, logprob):
-    """A token in chat's logprobs: its text, log-probability and UTF-8 bytes (a GPT-2 BPE token can be part of a
-    character: its text alone is U+FFFD, its bytes are what the client joins)."""
-    raw = (tokenizer.enc.decode_single_token_bytes(token_id) if tokenizer.kind == "gpt2"
-           else tokenizer.decode([token_id]).encode("utf-8"))
+    """A token in chat's logprobs: its text, log-probability and UTF-8 bytes (a byte-level BPE token can be part of
+    a character: its text alone is U+FFFD, its bytes are what the client joins)."""
+    enc = getattr(tokenizer, "enc", None)  # (a BPE's tiktoken Encoding knows a token's bytes; a character's are its)
+    raw = enc.decode_single_token_bytes(token_id) if enc is not None else tokenizer.decode([token_id]).encode("utf-8")
     return {"token": tokenizer.decode([token_id]), "logprob": logprob, "bytes": list(raw)}
 
 
@@ -506,7 +506,8 @@ def completion_body(server, completions, chat):
 def read_messages(messages):
     """The messages of a chat request as {role, content} with a string content. A message's content is a string or
     a list of text parts ([{"type": "text", "text": ...}], as many chat UIs send it), joined by newlines. A
-    developer message is the system message (OpenAI's name for it with newer models)."""
+    developer message is the system message (OpenAI's name for it with newer models); a message's other fields are
+    refused unless null or empty (as a client sends back a reply it was given)."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages",
                        "invalid_type")
@@ -520,6 +521,10 @@ def read_messages(messages):
             raise APIError(400, "each message must be {\"role\": \"system\" | \"developer\" | \"user\" | "
                                 "\"assistant\", \"content\": a string or a list of text parts}", "messages",
                            "invalid_value")
+        extra = next((k for k, v in m.items() if k not in ("role", "content") and v not in (None, [])), None)
+        if extra is not None:  # a speaker's name, tool calls, audio: what this server's prompts cannot say
+            raise APIError(400, f"a message's {extra} is not supported by this server; send role and content only",
+                           "messages", "unsupported")
         plain.append({"role": ROLES[m["role"]], "content": content})
     return plain
 

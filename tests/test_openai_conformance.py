@@ -79,6 +79,7 @@ def test_chat_logprobs_bytes_of_a_bpe_token_that_splits_a_character_are_its_own(
     ({"reasoning_effort": "high"}, "reasoning_effort", "unsupported"),
     ({"store": True}, "store", "unsupported"),
     ({"user": 5}, "user", "invalid_type"),
+    ({"messages": [dict(MESSAGES[1], name="Hamlet")]}, "messages", "unsupported"),  # (extra_body's replace them)
 ])
 def test_chat_fields_this_server_does_not_do_are_refused_with_openais_error(server, extra, param, code):
     with pytest.raises(openai.BadRequestError) as refused:
@@ -89,7 +90,8 @@ def test_chat_fields_this_server_does_not_do_are_refused_with_openais_error(serv
 
 
 def test_fields_that_change_nothing_are_accepted_and_json_output_is_refused_on_completions_too(server):
-    answer = client(server).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=1,
+    replied = {"role": "assistant", "content": "Hamlet.", "refusal": None, "tool_calls": None, "annotations": []}
+    answer = client(server).chat.completions.create(model=NAME, messages=MESSAGES + [replied], max_tokens=1,
                                                     response_format={"type": "text"}, tool_choice="none",
                                                     user="u1", parallel_tool_calls=False, metadata={"a": "b"})
     assert answer.choices[0].finish_reason == "length"

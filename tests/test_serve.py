@@ -667,8 +667,12 @@ def test_a_chat_model_answers_in_its_format_and_stops_at_its_end_of_turn_streame
         assert r.usage.prompt_tokens == len(prompt)
         assert r.usage.completion_tokens == len(GPT2Tokenizer().encode(reply)) + 1
         parts = list(c.chat.completions.create(model="taught", messages=messages, temperature=0, max_tokens=30,
-                                               stream=True))
+                                               stream=True, logprobs=True))
         assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == reply
+        # the logprobs' entries are the reply's tokens, bytes and all: the end of turn is none of them
+        entries = [e for p in parts if p.choices and p.choices[0].logprobs for e in p.choices[0].logprobs.content]
+        assert bytes(sum((e.bytes for e in entries), [])) == reply.encode() and len(entries) == len(
+            GPT2Tokenizer().encode(reply))
         assert parts[-1].choices[0].finish_reason == "stop"
     info = HTTP.get(chat_server.url + "/tokenizer_info", timeout=30).json()
     assert info["chat_template"] == chat.jinja_template() and info["bos_token"] == "<|endoftext|>"
