@@ -4,6 +4,7 @@ Turn a text file into a training dataset: data/<name>/{train.bin, val.bin, meta.
     python prepare.py shakespeare_char [--input PATH]   # Tiny Shakespeare, one token per character
     python prepare.py shakespeare [--input PATH]        # the same corpus in GPT-2 BPE
     python prepare.py text --input PATH --name NAME [--tokenizer char|gpt2]
+    python prepare.py text --input PATH --name NAME --tokenizer bpe --vocab_size 16384   # a BPE learned here
     python prepare.py chat --input FILE|DIR [--name NAME] [--max_len 1024]   # conversations (conversations.py)
 
 train.bin / val.bin hold the token ids of the first 90% / last 10% of the text
@@ -11,6 +12,10 @@ train.bin / val.bin hold the token ids of the first 90% / last 10% of the text
 nanoGPT works here and the other way round. meta.json says which tokenizer made
 them (and, for characters, the vocabulary). The file is read in chunks, so a
 large corpus never has to fit in memory as one string.
+
+--tokenizer bpe learns a byte-level BPE of --vocab_size tokens on the training
+split (its first --tokenizer_chars characters, where given) with machinery/bpe.py,
+and writes it beside meta.json (tokenizer.tiktoken).
 """
 
 import argparse
@@ -21,7 +26,7 @@ from contextlib import ExitStack
 import numpy as np
 from tqdm import tqdm
 
-from machinery import conversations, corpus, dataset, meta
+from machinery import bpe, conversations, corpus, dataset, meta
 from machinery.errors import UserError, run_main
 from machinery.fileio import atomic_write
 from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -63,16 +68,22 @@ def scan(path):
     return n_chars, chars
 
 
-def prepare(input_path, out_dir, tokenizer_kind="char", val_fraction=0.1):
-    """Tokenize input_path into out_dir/train.bin, val.bin and meta.json; return the DatasetMeta."""
+def prepare(input_path, out_dir, tokenizer_kind="char", val_fraction=0.1, vocab_size=None, tokenizer_chars=None):
+    """Tokenize input_path into out_dir/train.bin, val.bin and meta.json; return the DatasetMeta. For tokenizer
+    "bpe", one of vocab_size tokens is learned first on the training split (its first tokenizer_chars)."""
     if not os.path.isfile(input_path):
         raise UserError(f"input file {input_path} does not exist; pass an existing text file with --input")
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"--val_fraction must be between 0 and 1, got {val_fraction}")
+    if tokenizer_kind not in ("char", "gpt2", "bpe"):
+        raise UserError(f"unknown tokenizer {tokenizer_kind!r}; use char, gpt2 or bpe")
+    if (vocab_size is None) != (tokenizer_kind != "bpe"):
+        raise UserError("--vocab_size goes with --tokenizer bpe (the size of the vocabulary to learn), and only there")
+    if tokenizer_kind == "bpe":
+        bpe.check_vocab_size(vocab_size)  # (before reading the corpus)
     n_chars, chars = scan(input_path)
-    if tokenizer_kind not in ("char", "gpt2"):
-        raise UserError(f"unknown tokenizer {tokenizer_kind!r}; use char or gpt2")
-    tok = CharTokenizer(sorted(chars)) if tokenizer_kind == "char" else GPT2Tokenizer()
+    split_at = int(n_chars * (1 - val_fraction))
+    tok = make_tokenizer(tokenizer_kind, input_path, chars, vocab_size, min(split_at, tokenizer_chars or split_at))
     if tok.vocab_size > 65536:
         raise UserError(f"{input_path} has {tok.vocab_size} distinct characters, more than uint16 can hold; "
                         f"use --tokenizer gpt2")
@@ -83,8 +94,7 @@ def prepare(input_path, out_dir, tokenizer_kind="char", val_fraction=0.1):
         with ExitStack() as files:
             bins = {split: files.enter_context(atomic_write(os.path.join(out_dir, f"{split}.bin")))
                     for split in ("train", "val")}
-            counts = write_tokens(input_path, tok, bins, split_at=int(n_chars * (1 - val_fraction)),
-                                  n_chars=n_chars)
+            counts = write_tokens(input_path, tok, bins, split_at=split_at, n_chars=n_chars)
         # after the token files are in place: meta.json records what they are (meta.DatasetMeta.describes)
         data_meta = meta.DatasetMeta.of(tok, train_tokens=counts["train"], val_tokens=counts["val"],
                                         max_token_id=counts["max"], source=os.path.abspath(input_path))
@@ -94,6 +104,17 @@ def prepare(input_path, out_dir, tokenizer_kind="char", val_fraction=0.1):
                         f"another --data_dir (nothing there was changed)") from None
     print(f"{out_dir}: vocab_size {tok.vocab_size}, train {counts['train']:,} tokens, val {counts['val']:,} tokens")
     return data_meta
+
+
+def make_tokenizer(kind, input_path, chars, vocab_size, learn_chars):
+    """The tokenizer of kind for the text in input_path (chars: its characters); bpe: learned on its first
+    learn_chars characters."""
+    if kind == "char":
+        return CharTokenizer(sorted(chars))
+    if kind == "gpt2":
+        return GPT2Tokenizer()
+    print(f"learning a BPE of {vocab_size} tokens on {learn_chars:,} characters of {input_path}")
+    return bpe.learn(bpe.pieces(read_chunks(input_path), learn_chars), vocab_size)
 
 
 def write_tokens(input_path, tok, bins, split_at, n_chars):
@@ -137,7 +158,8 @@ class OneLineParser(argparse.ArgumentParser):
         raise UserError(f"{message}; see --help")
 
 
-def main(argv=None):
+def parser():
+    """The command line's options."""
     p = OneLineParser(description="Prepare a corpus for train.py: data/NAME/train.bin, val.bin and meta.json for a "
                                   "text file (for chat conversations also a loss mask and offsets); llm.c token shards "
                                   "for large corpora (openwebtext, fineweb_edu).")
@@ -152,7 +174,13 @@ def main(argv=None):
                                    "a .jsonl[.gz] or .parquet file of conversations, or a directory of them")
     p.add_argument("--name", help="the dataset's name: output in DATA_DIR/NAME (a plain name, not a path; default: "
                                   "the corpus's)")
-    p.add_argument("--tokenizer", choices=["char", "gpt2"], help="for a `text` file (default char; chat: gpt2 only)")
+    p.add_argument("--tokenizer", choices=["char", "gpt2", "bpe"],
+                   help="for a `text` file (default char; chat: gpt2 only); bpe: a byte-level BPE learned on the "
+                        "training split, of --vocab_size tokens")
+    p.add_argument("--vocab_size", type=int, help="--tokenizer bpe: the tokens to learn, the 256 bytes and "
+                                                  f"{len(bpe.SPECIALS)} special tokens among them (e.g. 16384)")
+    p.add_argument("--tokenizer_chars", type=int, help="--tokenizer bpe: learn on the first this many characters "
+                                                       "of the training split (default: all of it)")
     p.add_argument("--data_dir", default=dataset.DATA_DIR, help=f"where datasets live (default: {dataset.DATA_DIR})")
     p.add_argument("--val_fraction", type=float, default=0.1, help="share of a text file (or of the conversations) "
                                                                    "kept for validation")
@@ -165,10 +193,25 @@ def main(argv=None):
     p.add_argument("--shard_tokens", type=int, default=corpus.DEFAULT_SHARD_TOKENS,
                    help="tokens per shard (default 100M); the first shard is the validation split, or the first "
                         "10%% of a corpus of fewer than two shards")
-    args = p.parse_args(argv)
+    return p
 
+
+def check_bpe_options(args):
+    """A one-line error for --tokenizer bpe where it cannot be learned, or --tokenizer_chars out of range."""
+    if args.tokenizer == "bpe" and args.corpus != "text":
+        raise UserError(f"--tokenizer bpe is for `text` files; {args.corpus} is prepared with its own tokenizer")
+    if args.tokenizer == "bpe" and args.input and os.path.isdir(args.input):
+        raise UserError("--tokenizer bpe takes one text file for now (not a directory of documents); join them "
+                        "into one file, or use --tokenizer gpt2")
+    if args.tokenizer_chars is not None and args.tokenizer_chars < 1:
+        raise UserError(f"--tokenizer_chars must be at least 1, got {args.tokenizer_chars}")
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     if args.name is not None:
         corpus.check_name(args.name)  # nothing is ever written outside data_dir
+    check_bpe_options(args)
     if args.corpus in corpus.HUB_CORPORA or (args.corpus == "text" and args.input and os.path.isdir(args.input)):
         corpus.prepare_from_cli(args.corpus, args.data_dir, args.name, args.input, args.subset, args.num_proc,
                                 args.shard_tokens)
@@ -186,7 +229,8 @@ def main(argv=None):
     else:
         name, kind = args.corpus, "char" if args.corpus == "shakespeare_char" else "gpt2"
     input_path = args.input or download_shakespeare(args.data_dir)
-    prepare(input_path, dataset.resolve(args.data_dir, name), kind, args.val_fraction)
+    prepare(input_path, dataset.resolve(args.data_dir, name), kind, args.val_fraction, args.vocab_size,
+            args.tokenizer_chars)
 
 
 if __name__ == "__main__":

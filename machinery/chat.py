@@ -9,7 +9,7 @@ API, TRL and most datasets on the Hugging Face hub write it. In token ids (TEMPL
 
 <|endoftext|> begins it (as a document of GPT-2's training data); each message is its content between its
 role's two special tokens, which take spare ids of GPT-2's padded vocabulary (50257.., under vocab_size 50304:
-no embedding grows). The content is encoded as ordinary text, so text that looks like a special token stays
+no embedding grows); a BPE learned here (machinery/bpe.py) reserves them at the top of its own vocabulary. The content is encoded as ordinary text, so text that looks like a special token stays
 text: a user cannot write a turn of the assistant. The loss mask is 1 on the assistant's content and its
 <|assistant_end|> (what the model learns to write, and where it stops), 0 elsewhere. A reply is generated
 after <|assistant_start|> (add_generation_prompt) and ends at <|assistant_end|>.
@@ -19,7 +19,7 @@ This module is the one place that writes the format: prepare.py, train.py, sampl
 """
 
 from machinery.errors import UserError
-from machinery.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE, GPT2Tokenizer
+from machinery.tokenizer import GPT2_VOCAB_SIZE, GPT2Tokenizer
 
 TEMPLATE = "gpt2-chat-1"  # the format's name, recorded in a chat dataset's metadata and its models' checkpoints
 ROLES = ("system", "user", "assistant")
@@ -44,9 +44,9 @@ def tokenizer(template=TEMPLATE):
 
 def require(tok, what):
     """A one-line error unless tok (a tokenizer) can carry the format: a character-level vocabulary cannot."""
-    if tok.kind != "gpt2":
-        raise UserError(f"{what}: a chat format needs GPT-2 BPE (its special tokens live in GPT-2's padded "
-                        f"vocabulary); this is a {tok.kind}-level tokenizer")
+    if tok.kind not in ("gpt2", "bpe"):
+        raise UserError(f"{what}: a chat format needs GPT-2 BPE or a BPE learned by prepare.py (its special tokens "
+                        f"live in their vocabularies); this is a {tok.kind}-level tokenizer")
 
 
 def check(messages, where="messages"):
@@ -66,14 +66,14 @@ def check(messages, where="messages"):
 def encode(tok, messages, add_generation_prompt=False):
     """(ids, mask) of a conversation: the token ids, and 1 where the model learns to write (the assistant's content
     and its end token), 0 elsewhere. add_generation_prompt: end with <|assistant_start|>, for a reply."""
-    ids, mask = [GPT2_EOT], [0]
+    ids, mask = [tok.eot_token], [0]
     for m in check(messages):
         content = tok.encode(m["content"])  # ordinary text: a special token's text stays text
         learned = int(m["role"] == "assistant")
-        ids += [SPECIAL_TOKENS[start(m["role"])], *content, SPECIAL_TOKENS[end(m["role"])]]
+        ids += [tok.specials[start(m["role"])], *content, tok.specials[end(m["role"])]]
         mask += [0] + [learned] * (len(content) + 1)
     if add_generation_prompt:
-        ids.append(SPECIAL_TOKENS[start("assistant")])
+        ids.append(tok.specials[start("assistant")])
         mask.append(0)
     return ids, mask
 
@@ -83,9 +83,9 @@ def special_ids(template):
     return sorted(tokenizer(template).specials.values()) if template else []
 
 
-def stop_token():
-    """The token that ends a reply."""
-    return SPECIAL_TOKENS[end("assistant")]
+def stop_token(tok=None):
+    """The token that ends a reply (tok: the tokenizer; None: GPT-2's)."""
+    return (tok.specials if tok is not None else SPECIAL_TOKENS)[end("assistant")]
 
 
 def jinja_template(mask=True):

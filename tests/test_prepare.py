@@ -160,7 +160,7 @@ def test_failure_while_writing_leaves_the_dataset_alone(tmp_path, monkeypatch):
 @pytest.mark.parametrize("args, says", [
     (["text", "--name", "x"], "--input"),
     (["text", "--input", "missing.txt", "--name", "x"], "missing.txt"),
-    (["text", "--input", "x", "--name", "x", "--tokenizer", "bpe"], "--tokenizer"),
+    (["text", "--input", "x", "--name", "x", "--tokenizer", "wordpiece"], "--tokenizer"),
     (["nonsense"], "corpus"),
 ])
 def test_cli_mistakes_exit_2_with_one_line(tmp_path, monkeypatch, args, says):

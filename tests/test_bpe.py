@@ -1,0 +1,143 @@
+"""A BPE learned on the dataset (prepare.py --tokenizer=bpe, machinery/bpe.py): exact round trips, the learner's
+own encoder as the reference, the files beside meta.json, bad input, and a checkpoint that carries it."""
+
+import hashlib
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import prepare
+import sample
+from conftest import assert_one_error_line, make_corpus, run_in_process
+from machinery import bpe, chat, checkpoint, meta
+from machinery.tokenizer import EOT_TEXT, GPT2_PATTERN, parse_ranks
+from model import GPT, GPTConfig
+from train import TrainConfig
+
+VOCAB = 400
+POEM = "秦川雄帝宅，函谷壯皇居。綺殿千尋起，離宮百雉餘。連甍遙接漢，飛觀迥凌虛。🌙 café naïve\n"
+
+
+def corpus():
+    """make_corpus()'s English with Tang poetry, accents and emoji between its lines (~30k characters)."""
+    lines = make_corpus().splitlines(keepends=True)
+    return "".join(line + (POEM if i % 20 == 0 else "") for i, line in enumerate(lines))
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory):
+    """(dataset directory, its tokenizer, rustbpe's learner given the same training text, that text)."""
+    root = tmp_path_factory.mktemp("bpe")
+    src = root / "corpus.txt"
+    src.write_text(corpus(), encoding="utf-8")
+    run_in_process(prepare.main, "text", "--input", src, "--name", "mine", "--tokenizer", "bpe", "--vocab_size",
+                   VOCAB, "--data_dir", root / "data", check=True)
+    directory = root / "data" / "mine"
+    text = corpus()
+    train_text = text[:int(len(text) * 0.9)]
+    learner = bpe.train([train_text], VOCAB - len(bpe.SPECIALS))
+    return directory, meta.read(str(directory)).make_tokenizer(), learner, train_text
+
+
+def random_texts(n=40, seed=0):
+    """Random Unicode: CJK, emoji, combining marks, ASCII and whitespace, and random bytes decoded with
+    errors=replace."""
+    rng = random.Random(seed)
+    pools = [(0x4E00, 0x9FFF), (0x1F300, 0x1FAFF), (0x0300, 0x036F), (0x20, 0x7E), (0xAC00, 0xD7A3), (0x0400, 0x04FF)]
+    texts = []
+    for _ in range(n):
+        chars = []
+        for _ in range(rng.randint(1, 80)):
+            lo, hi = rng.choice(pools)
+            chars.append(rng.choice([chr(rng.randint(lo, hi)), " ", "\n", "\t", "  "]) if rng.random() < 0.15
+                         else chr(rng.randint(lo, hi)))
+        texts.append("".join(chars))
+        texts.append(bytes(rng.randrange(256) for _ in range(rng.randint(1, 60))).decode("utf-8", errors="replace"))
+    return texts + [POEM, "<|endoftext|> <|user_start|>", " \n\n  x  ", ""]
+
+
+def test_every_text_round_trips_and_the_ids_are_rustbpes(learned):
+    _, tok, learner, _ = learned
+    for text in random_texts():
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert ids == learner.encode(text), text  # the learner's own encoder: the reference
+        assert all(0 <= i < tok.vocab_size - len(bpe.SPECIALS) for i in ids)  # special tokens' texts stay text
+
+
+def test_the_tokenizer_file_beside_meta_json_holds_rustbpes_ranks_and_the_specials_are_the_top_ids(learned):
+    directory, tok, learner, _ = learned
+    saved = json.loads((directory / "meta.json").read_text())
+    data = (directory / saved["tokenizer_file"]).read_bytes()
+    assert saved["tokenizer"] == "bpe" and saved["vocab_size"] == VOCAB and "ranks" not in saved
+    assert saved["tokenizer_sha256"] == hashlib.sha256(data).hexdigest()
+    assert parse_ranks(data) == dict(learner.get_mergeable_ranks())
+    assert learner.get_pattern() == GPT2_PATTERN
+    assert saved["special_tokens"] == {text: VOCAB - len(bpe.SPECIALS) + i for i, text in enumerate(bpe.SPECIALS)}
+    assert tok.encode_with_specials(EOT_TEXT + "<|assistant_end|>") == [VOCAB - 7, VOCAB - 1]
+
+
+def test_the_token_files_decode_to_the_text_and_learned_bpe_is_shorter_than_bytes(learned):
+    directory, tok, _, train_text = learned
+    ids = np.fromfile(directory / "train.bin", dtype=np.uint16).tolist()
+    assert tok.decode(ids) == train_text
+    assert len(ids) < 0.6 * len(train_text.encode("utf-8"))
+
+
+def test_a_chat_conversation_uses_the_ids_reserved_in_the_learned_vocabulary(learned):
+    _, tok, _, _ = learned
+    ids, mask = chat.encode(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    s = tok.specials
+    assert ids == [s[EOT_TEXT], s["<|user_start|>"], *tok.encode("hi"), s["<|user_end|>"],
+                   s["<|assistant_start|>"], *tok.encode("yo"), s["<|assistant_end|>"]]
+    assert max(ids) < tok.vocab_size and chat.stop_token(tok) == VOCAB - 1
+    assert mask == [0] * (4 + len(tok.encode("hi"))) + [1] * (len(tok.encode("yo")) + 1)
+
+
+@pytest.mark.parametrize("vocab, text, says", [
+    (262, "hello world " * 50, "--vocab_size 262 is outside 263..65536"),
+    (65537, "hello world " * 50, "outside 263..65536"),
+    (1000, "hello world " * 50, "too small to learn 737 merges: it gave only"),
+    (300, "", "is empty"),
+])
+def test_bad_vocabularies_and_corpora_exit_2_with_one_line_and_write_nothing(tmp_path, vocab, text, says):
+    src = tmp_path / "c.txt"
+    src.write_text(text, encoding="utf-8")
+    proc = run_in_process(prepare.main, "text", "--input", src, "--name", "x", "--tokenizer", "bpe", "--vocab_size",
+                          vocab, "--data_dir", tmp_path / "data")
+    assert_one_error_line(proc, says)
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_changed_tokenizer_file_is_refused_in_one_line(learned, tmp_path):
+    directory, _, _, _ = learned
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    with open(copy / meta.BPE_FILENAME, "ab") as f:
+        f.write(b"IQ== 400\n")
+    with pytest.raises(meta.UserError, match="sha256 differs"):
+        meta.read(str(copy))
+
+
+def test_a_checkpoint_samples_with_its_dataset_directory_deleted(learned, tmp_path):
+    directory, tok, _, _ = learned
+    data_meta = meta.read(str(directory))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=data_meta.model_vocab_size, n_layer=1, n_head=2, n_embd=32))
+    path = tmp_path / "best.pt"
+    checkpoint.save(checkpoint.training_state(model.state_dict(), model.config, TrainConfig(), data_meta, iter_num=0,
+                                              best_val_loss=float("inf")), str(path))
+    assert checkpoint.load(str(path)).data_meta.same_tokens(data_meta)
+    shutil.move(str(directory), str(tmp_path / "moved"))  # (put back after: the module's other tests use it)
+    try:
+        proc = run_in_process(sample.main, f"--out_dir={path}", "--device=cpu", "--dtype=float32", "--start=" + POEM[:5],
+                              "--max_new_tokens=12", "--num_samples=1", "--temperature=0", check=True)
+    finally:
+        shutil.move(str(tmp_path / "moved"), str(directory))
+    prompt = tok.encode(POEM[:5])
+    expected = model.eval().generate(torch.tensor([prompt]), 12, temperature=0)[0].tolist()
+    assert proc.stdout.split("\n---------------\n")[0] == tok.decode(expected)
