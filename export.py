@@ -104,7 +104,7 @@ def main(argv=None):
         return
     config, tensors = convert.to_hf(loaded.model, loaded.data_meta)
     written = convert.write_hf(dests[0], config, tensors, loaded.data_meta)
-    if "vocab.json" not in written:
+    if "vocab.json" not in written and "tokenizer.json" not in written:
         print(f"note: no Hugging Face tokenizer exists for this model's {loaded.data_meta.tokenizer} tokenizer: "
               f"wrote the model without tokenizer files (meta.json holds its vocabulary)", file=sys.stderr)
     print(f"wrote {dests[0]}: {', '.join(written)} from {cfg.name}")

@@ -147,7 +147,7 @@ def to_hf(model, data_meta):
         bias = key[:-len("weight")] + "bias"
         if key.endswith(".weight") and not key.startswith(("tok_emb.", "pos_emb.", "lm_head.")) and bias not in state:
             state[bias] = torch.zeros(weight.size(0), dtype=weight.dtype)
-    eot = GPT2_EOT if data_meta is not None and data_meta.tokenizer == "gpt2" else None  # char models: none
+    eot = data_meta.make_tokenizer().eot_token if data_meta is not None else None  # char models: none
     config = {  # every field of GPT-2's own config.json (n_ctx: its old name of n_positions, which some tools read)
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": mc.vocab_size, "n_positions": mc.block_size, "n_ctx": mc.block_size, "n_embd": mc.n_embd,
@@ -172,24 +172,30 @@ def generation_config(config):
 
 
 def hf_tokenizer_files(data_meta, block_size):
-    """{file name: content} of a Hugging Face GPT2Tokenizer equal to ours: GPT-2's own vocab.json (encoder.json)
-    and merges.txt (vocab.bpe), as bytes, and its settings, as dicts. None where no Hugging Face tokenizer can
-    say ours (a character vocabulary)."""
-    if data_meta is None or data_meta.tokenizer != "gpt2":
+    """{file name: content} of a Hugging Face tokenizer equal to ours: for GPT-2 BPE a GPT2Tokenizer of GPT-2's own
+    vocab.json (encoder.json) and merges.txt (vocab.bpe), for a learned BPE a tokenizer.json; as bytes, and its
+    settings, as dicts. None where no Hugging Face tokenizer can say ours (a character vocabulary)."""
+    if data_meta is None or data_meta.tokenizer not in ("gpt2", "bpe"):
         return None
-    vocab_bpe, encoder_json = gpt2_bpe_files()
-    with open(encoder_json, "rb") as f, open(vocab_bpe, "rb") as g:
-        files = {"vocab.json": f.read(), "merges.txt": g.read()}
-    eos = GPT2Tokenizer.eos_text  # <|endoftext|>: GPT-2's only special token, its bos, eos and unk
+    eos = GPT2Tokenizer.eos_text  # <|endoftext|>: the only special token of text, its bos, eos and unk
     special = {"bos_token": eos, "eos_token": eos, "unk_token": eos}
-    added = {eos: GPT2_EOT}
+    if data_meta.tokenizer == "bpe":
+        tok = data_meta.make_tokenizer()
+        files, added, tokenizer_class = {"tokenizer.json": learned_tokenizer_json(tok)}, tok.specials, \
+            "PreTrainedTokenizerFast"
+    else:
+        vocab_bpe, encoder_json = gpt2_bpe_files()
+        with open(encoder_json, "rb") as f, open(vocab_bpe, "rb") as g:
+            files = {"vocab.json": f.read(), "merges.txt": g.read()}
+        added, tokenizer_class = {eos: GPT2_EOT}, "GPT2Tokenizer"
+        if data_meta.chat:
+            added.update(chat.SPECIAL_TOKENS)
     if data_meta.chat:  # a chat model's: its format's special tokens and the format as a Jinja template
         chat.tokenizer(data_meta.chat)  # (a one-line error for a format this code does not know)
         special["additional_special_tokens"] = list(chat.SPECIAL_TOKENS)
-        added.update(chat.SPECIAL_TOKENS)
     files["special_tokens_map.json"] = special
     files["tokenizer_config.json"] = {
-        "tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, **special,
+        "tokenizer_class": tokenizer_class, "model_max_length": block_size, **special,
         "add_prefix_space": False, "add_bos_token": False, "errors": "replace",
         # no clean-up on decoding (it would join " ," into ","): decode(encode(text)) gives text back, as ours
         "clean_up_tokenization_spaces": False,
@@ -198,6 +204,24 @@ def hf_tokenizer_files(data_meta, block_size):
         **({"chat_template": chat.jinja_template()} if data_meta.chat else {}),
     }
     return files
+
+
+def learned_tokenizer_json(tok):
+    """tokenizer.json (bytes) of a learned BPE (tokenizer.BPETokenizer): transformers' TikTokenConverter turns its
+    tiktoken ranks into a byte-level BPE's vocabulary and merges, splitting text by the same pattern; the special
+    tokens follow in id order, as ours."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class RanksConverter(TikTokenConverter):
+        def load_tiktoken_bpe(self, _):  # (it reads a .tiktoken file; ours are in memory)
+            return tok.ranks
+
+    specials = sorted(tok.specials, key=tok.specials.get)
+    converted = RanksConverter(pattern=tok.enc._pat_str, extra_special_tokens=specials).converted()
+    if [converted.token_to_id(t) for t in specials] != [tok.specials[t] for t in specials]:
+        raise UserError("Hugging Face's tokenizer cannot give this tokenizer's special tokens their ids; export it "
+                        "with --to=gguf")
+    return converted.to_str().encode("utf-8")
 
 
 def write_hf(directory, config, tensors, data_meta=None):

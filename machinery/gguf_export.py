@@ -35,7 +35,7 @@ import os
 from machinery import chat, convert
 from machinery.errors import UserError
 from machinery.fileio import temp_path
-from machinery.tokenizer import GPT2_EOT, gpt2_bpe_files
+from machinery.tokenizer import GPT2_PATTERN, gpt2_bpe_files
 
 OUTTYPES = ("f32", "f16", "q8_0")
 INSTALL = "pip install gguf==0.19.0"
@@ -56,22 +56,31 @@ def check_outtype(outtype):
         raise UserError(f"outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
 
 
-def gpt2_vocab(gguf, vocab_size, data_meta):
-    """The tokenizer's entries of a GGUF file: GPT-2's tokens (byte-level strings, as Hugging Face's vocab.json
-    writes them), a chat model's special tokens (control tokens, as <|endoftext|>), padded to the model's
-    vocab_size with unused ones; their types; GPT-2's merges."""
-    vocab_bpe, encoder_json = gpt2_bpe_files()
-    with open(encoder_json, encoding="utf-8") as f:
-        ids = json.load(f)
-    with open(vocab_bpe, encoding="utf-8") as f:
-        merges = [line for line in f.read().split("\n")[1:] if line]  # (after the "#version" line)
+def vocabulary(gguf, vocab_size, data_meta):
+    """The tokenizer's entries of a GGUF file: its tokens (byte-level strings, as Hugging Face's vocab.json writes
+    them), special tokens as control tokens (<|endoftext|>, a chat model's), padded to the model's vocab_size with
+    unused ones; their types; the merges. GPT-2's, or a learned BPE's (as its Hugging Face export says them)."""
+    tok = data_meta.make_tokenizer()
+    if data_meta.tokenizer == "bpe":
+        if tok.enc._pat_str != GPT2_PATTERN:
+            raise UserError("GGUF names its pre-tokenizer, and llama.cpp knows none for this tokenizer's split "
+                            "pattern (only GPT-2's); export it with --to=hf instead")
+        model = json.loads(convert.learned_tokenizer_json(tok))["model"]
+        ids, merges = model["vocab"], [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    else:
+        vocab_bpe, encoder_json = gpt2_bpe_files()
+        with open(encoder_json, encoding="utf-8") as f:
+            ids = json.load(f)
+        with open(vocab_bpe, encoding="utf-8") as f:
+            merges = [line for line in f.read().split("\n")[1:] if line]  # (after the "#version" line)
     by_id = {i: token for token, i in ids.items()}
-    control = {GPT2_EOT, *chat.special_ids(data_meta.chat)}
-    by_id.update({i: text for text, i in chat.SPECIAL_TOKENS.items() if i in control})
+    control = {tok.eot_token, *(tok.specials.values() if data_meta.tokenizer == "bpe" else
+                                chat.special_ids(data_meta.chat))}
+    by_id.update({i: text for text, i in {**chat.SPECIAL_TOKENS, **tok.specials}.items() if i in control})
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
     types = [gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL if i in by_id
              else gguf.TokenType.UNUSED for i in range(vocab_size)]
-    return tokens, types, merges
+    return tokens, types, merges, tok
 
 
 def tensor_type(gguf, name, array, outtype):
@@ -89,9 +98,9 @@ def write_gguf(path, model, data_meta, outtype="f16", name="gpt"):
     when the model or the place cannot be."""
     gguf = import_gguf()
     check_outtype(outtype)
-    if data_meta is None or data_meta.tokenizer != "gpt2":
+    if data_meta is None or data_meta.tokenizer not in ("gpt2", "bpe"):
         raise UserError(f"GGUF holds its tokenizer, and llama.cpp has none for this model's "
-                        f"{getattr(data_meta, 'tokenizer', None) or 'missing'} tokenizer (only GPT-2 BPE); "
+                        f"{getattr(data_meta, 'tokenizer', None) or 'missing'} tokenizer (only byte-level BPE); "
                         f"export it with --to=hf instead")
     if os.path.exists(path):
         raise UserError(f"{path} already exists; pick a new file name")
@@ -140,17 +149,18 @@ def _add_metadata(gguf, writer, config, name, file_type):
 
 
 def _add_tokenizer(gguf, writer, config, data_meta):
-    """The tokenizer's keys: GPT-2 BPE, and for a chat model its template (llama.cpp's chat uses it) and its
-    assistant's end of turn as the end of a generation (eot: llama.cpp stops there)."""
-    tokens, types, merges = gpt2_vocab(gguf, config["vocab_size"], data_meta)
+    """The tokenizer's keys: a byte-level BPE split by GPT-2's pattern (llama.cpp's "gpt-2" pre-tokenizer), and for
+    a chat model its template (llama.cpp's chat uses it) and its assistant's end of turn as the end of a
+    generation (eot: llama.cpp stops there)."""
+    tokens, types, merges, tok = vocabulary(gguf, config["vocab_size"], data_meta)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(GPT2_EOT)
-    writer.add_eos_token_id(GPT2_EOT)
+    writer.add_bos_token_id(tok.eot_token)
+    writer.add_eos_token_id(tok.eot_token)
     writer.add_add_bos_token(False)
     if data_meta.chat:
         writer.add_chat_template(chat.jinja_template(mask=False))
-        writer.add_eot_token_id(chat.stop_token())
+        writer.add_eot_token_id(chat.stop_token(tok))

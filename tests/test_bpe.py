@@ -45,7 +45,7 @@ def learned(tmp_path_factory):
 
 def random_texts(n=40, seed=0):
     """Random Unicode: CJK, emoji, combining marks, ASCII and whitespace, and random bytes decoded with
-    errors=replace."""
+    errors=replace; then paragraphs of the corpus (where the merges apply, in their order)."""
     rng = random.Random(seed)
     pools = [(0x4E00, 0x9FFF), (0x1F300, 0x1FAFF), (0x0300, 0x036F), (0x20, 0x7E), (0xAC00, 0xD7A3), (0x0400, 0x04FF)]
     texts = []
@@ -57,7 +57,7 @@ def random_texts(n=40, seed=0):
                          else chr(rng.randint(lo, hi)))
         texts.append("".join(chars))
         texts.append(bytes(rng.randrange(256) for _ in range(rng.randint(1, 60))).decode("utf-8", errors="replace"))
-    return texts + [POEM, "<|endoftext|> <|user_start|>", " \n\n  x  ", ""]
+    return texts + corpus()[:4000].split("\n\n") + ["<|endoftext|> <|user_start|>", " \n\n  x  ", ""]
 
 
 def test_every_text_round_trips_and_the_ids_are_rustbpes(learned):

@@ -58,6 +58,18 @@ def checkpoint_of(model, out_dir, data_meta):
     return out_dir
 
 
+def vectors_moved(model):
+    """model with its vectors (LayerNorms, biases) moved well away from their initial values (a bias or gain written
+    to the wrong place shows), and its final gain x4: logits of std ~0.45 from GPT-2's initial matrices."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+        model.ln_f.weight.mul_(4)
+    return model
+
+
 class TableGELU(nn.Module):
     """GELU as llama.cpp computes it in float32 (ggml-cpu's ggml_vec_gelu_f32 under GGML_GELU_FP16): x rounded to
     float16, its tanh-approximated GELU rounded to float16; 0 below -10, x above 10."""
@@ -79,28 +91,30 @@ def test_f32_logits_are_ours_in_llama_cpp(tmp_path, bias, mlp_ratio):
     torch.manual_seed(3)
     ours = GPT(GPTConfig(block_size=48, vocab_size=50304, n_layer=2, n_head=4, n_embd=32, bias=bias, gelu="tanh",
                          mlp_ratio=mlp_ratio)).eval()
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in ours.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape, generator=g) * 0.2)
-        ours.ln_f.weight.mul_(4)
+    vectors_moved(ours)
     out = checkpoint_of(ours, tmp_path / "out", DatasetMeta.gpt2())
     run_in_process(export.main, f"--out_dir={out}", "--to=gguf", "--outtype=f32", tmp_path / "m.gguf", check=True)
     idx = torch.randint(0, 50257, (48,), generator=torch.Generator().manual_seed(4)).tolist()
     n_vocab, theirs = in_llama(llama_side.vocab_and_logits, tmp_path / "m.gguf", idx)
     assert n_vocab == 50304
+    exact = assert_llama_logits(theirs, ours, idx)
+    assert exact.std() > 0.4
+
+
+def assert_llama_logits(theirs, model, idx):
+    """llama.cpp's f32 logits (numpy) of every position of idx within 1e-4 of model's where GELU is computed as
+    llama.cpp computes it, within 1e-3 of model's own; returns model's own (model's GELUs are replaced)."""
     theirs = torch.from_numpy(theirs)
     with torch.no_grad():
-        exact = ours(torch.tensor([idx]), every_position=True)[0][0]
-        for block in ours.blocks:
+        exact = model(torch.tensor([idx]), every_position=True)[0][0]
+        for block in model.blocks:
             block.ffwd.gelu = TableGELU()
-        as_llama = ours(torch.tensor([idx]), every_position=True)[0][0]
-    assert exact.std() > 0.4
+        as_llama = model(torch.tensor([idx]), every_position=True)[0][0]
     torch.testing.assert_close(theirs, as_llama, atol=1e-4, rtol=0)
     # against our own GELU: ggml's float16 table is off by up to 4e-3 (near x = 8), 1e-3 of x (measured here:
     # at most 5e-5 with biases, 3.5e-4 without)
     torch.testing.assert_close(theirs, exact, atol=1e-3, rtol=0)
+    return exact
 
 
 @needs_llama
