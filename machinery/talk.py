@@ -30,7 +30,7 @@ def require(tokenizer, chat_format, what):
 
 def stop_tokens(tokenizer):
     """The tokens that end a reply: the assistant's end of turn, and <|endoftext|> (which begins a conversation)."""
-    return (chat.stop_token(), *end_of_text_stop(tokenizer))
+    return (chat.stop_token(tokenizer), *end_of_text_stop(tokenizer))
 
 
 class Conversation:
