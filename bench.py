@@ -62,6 +62,12 @@ figures a CPU cannot take: not measured). See benchmarks/gpu.py.
     python bench.py --mode=gpu                 # on the GPU machine (the wheels it lacks: see README)
     python bench.py --mode=gpu --device=cpu    # the quick form, here
 
+mode=tokenizers: char, GPT-2 and BPEs learned at 4k-32k on a text (default: the Tang poems): characters and bytes a
+token, learning time; then one model shape trained for the same wall time on char, GPT-2 and the 16k BPE: val bits
+per byte and a sample of each. See benchmarks/tokenizers.py.
+
+    python bench.py --mode=tokenizers [--input=PATH] [--train_s=300]
+
 Every train.py setting is a setting here too, so training config files work as they are;
 vocab_size defaults to the configured dataset's when it has been prepared. Each figure is the
 median of `repeats` measurements taken after `warmup` unmeasured ones.
@@ -83,6 +89,7 @@ from benchmarks.gpu import bench_gpu
 from benchmarks.prepare import bench_prepare
 from benchmarks.runs import NANOGPT_RECIPES, bench_beside_nanogpt, bench_speedrun, check_nanogpt
 from benchmarks.serve import bench_serve
+from benchmarks.tokenizers import bench_tokenizers
 from machinery import configurator, dataset, meta
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
@@ -97,8 +104,9 @@ class BenchConfig(TrainConfig):
                                "speedrun (whole train.py runs), prepare (corpus preparation), serve (serve.py "
                                "under load; batch-1 decoding against transformers), faults (serve.py against "
                                "long prompts, clients that stop reading or hang up), chat (chat finetuning, "
-                               "four ways, on a synthetic task) or gpu (every GPU goal in one command, PASS / FAIL "
-                               "a line; --device=cpu: its quick form)")
+                               "four ways, on a synthetic task), gpu (every GPU goal in one command, PASS / FAIL "
+                               "a line; --device=cpu: its quick form) or tokenizers (char, GPT-2 and learned BPEs "
+                               "on a text: compression, and models trained for the same wall time)")
     warmup: int = setting(1, "unmeasured runs (sample) or iterations (train) before the measured ones (compilation, "
                              "caches)")
     repeats: int = setting(3, "measured runs or iterations; the median is reported")
@@ -112,7 +120,9 @@ class BenchConfig(TrainConfig):
     nanogpt: str = setting("", "mode=train and speedrun: the path of nanoGPT's train.py (a clone of its repository) "
                                "to run beside ours on the same data (empty: none)")
     input: str = setting("", "mode=prepare: the corpus, as prepare.py fineweb_edu --input takes it (a file or "
-                             "directory of JSON lines / parquet with a text field); empty: a synthetic one")
+                             "directory of JSON lines / parquet with a text field); empty: a synthetic one; "
+                             "mode=tokenizers: the text file (empty: ../shared/data/chinese-poetry/quantangshi.txt)")
+    train_s: int = setting(300, "mode=tokenizers: seconds of wall time each model trains")
     corpus_mb: int = setting(500, "mode=prepare without --input: MiB of synthetic JSON lines to write first")
     text_source: str = setting("../shared/data/tinyshakespeare/input.txt", "mode=prepare: the text the "
                                                                           "synthetic corpus is cut from; mode=chat "
@@ -139,8 +149,9 @@ class BenchConfig(TrainConfig):
 
     def validate(self):
         super().validate()
-        if self.mode not in ("sample", "train", "speedrun", "prepare", "serve", "faults", "chat", "gpu"):
-            raise UserError(f"mode must be sample, train, speedrun, prepare, serve, faults, chat or gpu, "
+        if self.mode not in ("sample", "train", "speedrun", "prepare", "serve", "faults", "chat", "gpu",
+                             "tokenizers"):
+            raise UserError(f"mode must be sample, train, speedrun, prepare, serve, faults, chat, gpu or tokenizers, "
                             f"got {self.mode!r}")
         if not all(c.strip().isdigit() and int(c) > 0 for c in self.clients.split(",")):
             raise UserError(f"clients must be positive numbers separated by commas, got {self.clients!r}")
@@ -296,8 +307,8 @@ def commands():
 
 
 def main(argv=None):
-    cfg = configurator.parse(BenchConfig, argv, usage="python bench.py [config/FILE.py ...] [--key=value ...] "
-                                                      "--mode=sample|train|speedrun|prepare|serve|faults|chat|gpu")
+    cfg = configurator.parse(BenchConfig, argv, usage="python bench.py [config/FILE.py ...] [--key=value ...] --mode="
+                                                      "sample|train|speedrun|prepare|serve|faults|chat|gpu|tokenizers")
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -309,7 +320,7 @@ def main(argv=None):
         if cfg.mode == "gpu":
             return bench_gpu(cfg, workdir, gpu_step(workdir), TrainConfig)
         return {"sample": bench_sample, "train": bench_train, "prepare": bench_prepare,
-                "serve": bench_serve, "faults": bench_faults}[cfg.mode](cfg, workdir)
+                "serve": bench_serve, "faults": bench_faults, "tokenizers": bench_tokenizers}[cfg.mode](cfg, workdir)
 
 
 if __name__ == "__main__":

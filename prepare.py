@@ -20,6 +20,7 @@ and writes it beside meta.json (tokenizer.tiktoken).
 
 import argparse
 import os
+import time
 import urllib.request
 from contextlib import ExitStack
 
@@ -114,7 +115,10 @@ def make_tokenizer(kind, input_path, chars, vocab_size, learn_chars):
     if kind == "gpt2":
         return GPT2Tokenizer()
     print(f"learning a BPE of {vocab_size} tokens on {learn_chars:,} characters of {input_path}")
-    return bpe.learn(bpe.pieces(read_chunks(input_path), learn_chars), vocab_size)
+    start = time.perf_counter()
+    tok = bpe.learn(bpe.pieces(read_chunks(input_path), learn_chars), vocab_size)
+    print(f"learned in {time.perf_counter() - start:.2f} s")
+    return tok
 
 
 def write_tokens(input_path, tok, bins, split_at, n_chars):
