@@ -287,9 +287,7 @@ class Completion:
 def scored(tokenizer, token_id, logprob):
     """A token in chat's logprobs: its text, log-probability and UTF-8 bytes (a byte-level BPE token can be part of
     a character: its text alone is U+FFFD, its bytes are what the client joins)."""
-    enc = getattr(tokenizer, "enc", None)  # (a BPE's tiktoken Encoding knows a token's bytes; a character's are its)
-    raw = enc.decode_single_token_bytes(token_id) if enc is not None else tokenizer.decode([token_id]).encode("utf-8")
-    return {"token": tokenizer.decode([token_id]), "logprob": logprob, "bytes": list(raw)}
+    return {"token": tokenizer.decode([token_id]), "logprob": logprob, "bytes": list(tokenizer.token_bytes(token_id))}
 
 
 def usage(completions):

@@ -72,6 +72,10 @@ class CharTokenizer:
     def decode(self, ids):
         return "".join(self.chars[i] for i in ids)
 
+    def token_bytes(self, token_id):
+        """The UTF-8 bytes of a token: its character's."""
+        return self.chars[token_id].encode("utf-8")
+
     encode_with_specials = encode  # (no special tokens)
     eos_text = None
 
@@ -117,6 +121,10 @@ class BPETokenizer:
 
     def decode(self, ids):
         return self.enc.decode(list(ids))
+
+    def token_bytes(self, token_id):
+        """The bytes of a token (a byte-level token may be part of a character: its text alone is U+FFFD)."""
+        return self.enc.decode_single_token_bytes(token_id)
 
 
 class GPT2Tokenizer(BPETokenizer):
