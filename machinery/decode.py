@@ -36,6 +36,20 @@ class Slots:
         self.rows, self.length, self.device = rows, length, torch.device(device)
         self.free = list(range(rows))[::-1]
 
+    def copy_out(self, slot, start, dest):
+        """Copy the keys and values of a slot's positions start.. into dest (2, n_layer, n_head, T, head size)."""
+        end = start + dest.size(-2)
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            dest[0, layer].copy_(k[slot, :, start:end])
+            dest[1, layer].copy_(v[slot, :, start:end])
+
+    def copy_in(self, slot, start, src):
+        """Write src (2, n_layer, n_head, T, head size) as the keys and values of a slot's positions start.."""
+        end = start + src.size(-2)
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            k[slot, :, start:end] = src[0, layer]
+            v[slot, :, start:end] = src[1, layer]
+
 
 class Rows:
     """The kv_cache of a pass over some rows: T new tokens for each of some slots, each after its own length.

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from machinery import decode, hardware
 from machinery import quantize as quantization
 from machinery.errors import first_line
+from machinery.prefix_cache import PrefixCache
 from model import attention_backends, sample_next
 
 FINISHED = ("stop", "length", "abort", "error")  # why a generation ended: a stop text or token, max_tokens,
@@ -63,6 +64,7 @@ class Request:
     stop_tokens: tuple = ()  # token ids that end it (not part of the text), e.g. <|endoftext|>
     logprobs: Optional[int] = None
     echo: bool = False
+    cache_salt: Optional[str] = None  # prefixes are shared only between requests of the same salt
 
 
 @dataclass
@@ -94,12 +96,14 @@ class Generation:
         self.finish_reason, self.error = None, None
         self.prompt_tokens = len(request.prompt)
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
         self.last_read = time.monotonic()
         self.resume = None  # the engine's: called when a paused generation's reader takes events
         # decoding state (the engine's)
         self.ids = list(request.prompt)  # every token so far: the prompt, then each one sampled
         self.todo = list(request.prompt)  # what the model has not seen yet: the prompt, then the token sampled last
         self.slot = None  # its row of the engine's KV cache, while it runs
+        self.parked = False  # paused, its row's keys and values kept in the prefix cache, its slot given up
         self.length = 0  # positions of that row filled
         self.echoed = 0  # prompt tokens echoed so far (echo)
         self.generator = None
@@ -324,10 +328,12 @@ class Engine:
     generation (see Generation) may wait for its reader; use_cache=False encodes each row's whole window again
     for every token, as nanoGPT does (the same tokens, slower); fixed: decode every row of the cache at every
     step, in shapes that never change (machinery/decode.py; None: on CUDA, where it runs as a CUDA graph);
-    compile: torch.compile the fixed step (static shapes: one graph), else the model in place (dynamic shapes)."""
+    compile: torch.compile the fixed step (static shapes: one graph), else the model in place (dynamic shapes);
+    prefix_cache_mb: the prefix cache's budget (machinery/prefix_cache.py; 0: none), which also keeps the rows of
+    paused generations while waiting requests take their slots."""
 
     def __init__(self, model, tokenizer, device="cpu", max_batch=32, max_waiting=256, use_cache=True,
-                 prefill_chunk=64, stall_timeout=60.0, fixed=None, compile=False):
+                 prefill_chunk=64, stall_timeout=60.0, fixed=None, compile=False, prefix_cache_mb=0):
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.vocab = tokenizer.vocab_size  # the tokenizer's ids: a padded vocabulary's extra rows are never drawn
         self.block_size = model.config.block_size
@@ -341,6 +347,11 @@ class Engine:
         self.pass_rows = max_batch if self.fixed else calibrate(model, max_batch)
         self.prefill_chunk, self.stall_timeout = prefill_chunk, stall_timeout
         self.waiting, self.rows = collections.deque(), []
+        self.cache = PrefixCache(self.slots, prefill_chunk, prefix_cache_mb) if prefix_cache_mb and use_cache else None
+        if self.cache is not None and not self.cache.blocks:
+            self.cache = None  # (a budget under one chunk's keys and values)
+        self.parked = []  # paused generations that gave their slots to waiting requests
+        self.tails = collections.deque(maxlen=max_batch)  # (salt, ids) of finished generations, to cache when idle
         self.lock = threading.Condition()
         self.thread, self.stopping, self.failure = None, False, None
 
@@ -371,7 +382,7 @@ class Engine:
         """(running, waiting) requests (a row that has just ended is not running, though it leaves the batch
         only at the next step)."""
         with self.lock:
-            return sum(not g.done for g in self.rows), len(self.waiting)
+            return sum(not g.done for g in self.rows + self.parked), len(self.waiting)
 
     @property
     def alive(self):
@@ -398,7 +409,7 @@ class Engine:
     def abort_all(self, reason="abort", error=None):
         """End every waiting and running generation now: for shutting down (abort), or failing (error)."""
         with self.lock:
-            everyone = list(self.waiting) + list(self.rows)
+            everyone = list(self.waiting) + list(self.rows) + list(self.parked)
             self.waiting.clear()
         for g in everyone:
             g.cancel()
@@ -408,16 +419,24 @@ class Engine:
         with self.lock:
             self.lock.notify_all()
 
+    def _busy(self):
+        return self.waiting or any(not g.paused for g in self.rows + self.parked)
+
     def _run(self):
         try:
             while True:
                 with self.lock:
-                    # paused rows only (clients that do not read): wake now and then to end the stalled ones
-                    self.lock.wait_for(lambda: self.stopping or self.waiting or any(not g.paused for g in self.rows),
-                                       timeout=0.5 if self.rows else None)
+                    idle = bool(self.tails) and not self._busy()
+                    if not idle:  # paused rows only (clients that do not read): wake now and then to end the stalled
+                        self.lock.wait_for(lambda: self.stopping or self._busy(),
+                                           timeout=0.5 if self.rows or self.parked else None)
                     if self.stopping:
                         return
-                self.step()
+                if idle:
+                    if not self.cache_tail():
+                        self.tails.clear()  # (no free row for them: every slot is a paused stream's)
+                else:
+                    self.step()
         except BaseException as e:  # a fault outside any request (each request's own are caught in step)
             self.failure = describe(e)
             print(f"engine: stopped by {self.failure}", file=sys.stderr, flush=True)
@@ -442,7 +461,7 @@ class Engine:
         with attention_backends(self.device):
             for i in range(0, len(decoding), self.pass_rows):
                 self._feed(decoding[i:i + self.pass_rows], 1)
-            prompts = [g for g in ready if len(g.todo) > 1 and not g.done]
+            prompts = self._prompts([g for g in ready if len(g.todo) > 1 and not g.done])
             for g in prompts[:1] if decoding else prompts:
                 self._feed([g], min(len(g.todo), self.prefill_chunk))
 
@@ -451,14 +470,19 @@ class Engine:
         requests join while there are free slots; the running rows."""
         now = time.monotonic()
         with self.lock:
-            for g in self.rows + list(self.waiting):
+            for g in self.rows + list(self.waiting) + self.parked:
                 if g.cancelled or g.paused and now - g.last_read > self.stall_timeout:
                     self._finish(g, "abort")
             for g in self.rows:
                 if g.done:
                     self.slots.free.append(g.slot)
+            for g in self.parked:
+                if g.done:
+                    self.cache.drop(g)
             self.rows = [g for g in self.rows if not g.done]
+            self.parked = [g for g in self.parked if not g.done]
             self.waiting = collections.deque(g for g in self.waiting if not g.done)
+            self._park()
             joining = []
             while self.waiting and self.slots.free:
                 joining.append(self.waiting.popleft())
@@ -469,14 +493,94 @@ class Engine:
             self._begin(g)
         return rows
 
+    def _park(self):
+        """Paused rows give their slots to waiting requests, their keys and values kept in the prefix cache (while
+        it has room); parked rows whose readers have read again wait first in line for a slot."""
+        for g in [g for g in self.rows if g.paused] if self.cache is not None else []:
+            if len(self.waiting) <= len(self.slots.free) or not self.cache.park(g, g.slot, g.length):
+                break
+            self.rows.remove(g)
+            self.slots.free.append(g.slot)
+            g.slot, g.parked = None, True
+            self.parked.append(g)
+        back = [g for g in self.parked if not g.paused]
+        self.parked = [g for g in self.parked if g.paused]
+        self.waiting.extendleft(reversed(back))
+
     def _begin(self, g):
         """A row's first step: echo its first prompt token (nothing predicts it); max_tokens 0 without echo ends
-        at once (no prompt pass)."""
+        at once (no prompt pass). A parked row is back: its keys and values as it left them."""
+        if g.parked:
+            self.cache.unpark(g, g.slot)
+            g.parked = False
+            return
         if g.request.echo:
             g.echoed = 1
             g.emit(Token(g.ids[0], self.tokenizer.decode(g.ids[:1]), prompt=True))
         if g.request.max_tokens == 0 and not g.request.echo:
             self._finish(g, "length")
+
+    def _reusable(self, g):
+        """The prompt tokens of g that it may take from the prefix cache (none with echo: its log-probabilities
+        need every position's logits): its whole chunks but the one that ends it, whose logits it needs."""
+        if self.cache is None or g.completion_tokens or g.request.echo:
+            return 0
+        return (g.prompt_tokens - 1) // self.prefill_chunk * self.prefill_chunk
+
+    def _reuse(self, g):
+        """Copy into g's row what the prefix cache has of its prompt after what it holds."""
+        most = self._reusable(g)
+        if g.length < most and g.length % self.prefill_chunk == 0:
+            got = self.cache.take(g.request.cache_salt, g.ids, g.length, most, g.slot)
+            g.length += got
+            del g.todo[:got]
+            g.cached_tokens += got
+
+    def _prompts(self, rows):
+        """Of rows with a prompt to encode, those that encode a chunk now: each first takes what the prefix cache
+        has of its prompt; of rows about to encode the same chunk after the same tokens (a request's choices, one
+        system prompt), the first alone does (the others take it from the cache at the next step); a row left with
+        one token decodes it at the next step, as it would have without the cache."""
+        if self.cache is None:
+            return rows
+        chosen, encoding = [], set()
+        for g in rows:
+            self._reuse(g)
+            end = g.length + self.prefill_chunk
+            key = (g.request.cache_salt, tuple(g.ids[:end])) if end <= self._reusable(g) else None
+            if len(g.todo) > 1 and (key is None or key not in encoding):
+                chosen.append(g)
+                encoding.add(key)
+        return chosen
+
+    @torch.inference_mode()
+    def cache_tail(self):
+        """While idle: encode the next whole chunk of a finished generation's tokens (prompt and reply) that the
+        prefix cache lacks, in a free row, so that the next turn of its conversation finds it (False: nothing to
+        do). A reply's own keys and values were computed token by token (another rounding); chunks are what a
+        prompt's encoding gives."""
+        C = self.prefill_chunk
+        while self.cache is not None and self.tails:
+            salt, ids = self.tails[0]
+            have, end = self.cache.cached(salt, ids, len(ids)), len(ids) // C * C
+            if have >= end:
+                self.tails.popleft()
+                continue
+            with self.lock:
+                if not self.slots.free:
+                    return False
+                slot = self.slots.free.pop()
+            try:
+                self.cache.take(salt, ids, 0, have, slot, count=False)
+                with attention_backends(self.device):
+                    self.model(torch.tensor([ids[have:have + C]], device=self.device),
+                               kv_cache=decode.Rows(self.slots, [(slot, have)]))
+                self.cache.store(salt, ids[:have + C], slot)
+            finally:
+                with self.lock:
+                    self.slots.free.append(slot)
+            return True
+        return False
 
     def _feed(self, rows, n):
         """Run the model on the next n tokens of each row, then take each row's logits. When the pass fails, the
@@ -522,6 +626,8 @@ class Engine:
         start = g.length
         g.length += n
         del g.todo[:n]
+        if self.cache is not None and not g.completion_tokens and n == self.prefill_chunk and not start % n:
+            self.cache.store(g.request.cache_salt, g.ids[:g.length], g.slot)  # a whole chunk of the prompt
         if g.request.echo and g.echoed < g.prompt_tokens:
             self._echo(g, start, logits)
         if g.todo:
@@ -580,6 +686,8 @@ class Engine:
         elif g.completion_tokens >= request.max_tokens:
             event.text += g.text.finish()
             event.finish_reason = "length"
+        if event.finish_reason and self.cache is not None and len(g.ids) <= self.block_size:
+            self.tails.append((request.cache_salt, list(g.ids)))  # the conversation's next turn may begin with it
         g.emit(event)
 
     def _fail(self, g, e):

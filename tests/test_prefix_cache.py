@@ -1,0 +1,193 @@
+"""The prefix cache (machinery/prefix_cache.py) in the engine: the same tokens and log-probabilities with it as
+without, cached_tokens the tokens it really saved, a bounded LRU budget, salts kept apart, finished turns cached
+for the next, and paused streams that give their slots up and resume as if they had been read at once."""
+
+import random
+
+import pytest
+import torch
+
+from machinery import decode, engine
+from machinery.prefix_cache import PrefixCache
+from test_engine import Tokens, small_model
+
+CHUNK = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return engine.prepare(small_model(n_embd=32, block_size=48), "cpu", "float32")
+
+
+class Counting:
+    """Counts the tokens the model is run on (the work the cache saves)."""
+
+    def __init__(self, runner):
+        self.tokens, forward = 0, runner.model.forward
+
+        def counted(idx, *args, **kwargs):
+            self.tokens += idx.numel()
+            return forward(idx, *args, **kwargs)
+        runner.model.forward = counted
+        self.restore = lambda: runner.model.__dict__.pop("forward")
+
+
+def results(runner, waves):
+    """Submit each wave of requests together, stepping until it is done; every request's events as
+    (id, logprob, top, prompt, finish_reason), and its Generation."""
+    out, generations = [], []
+    for wave in waves:
+        gs = [runner.submit(r) for r in wave]
+        while not all(g.done for g in gs):
+            runner.step()
+        out += [[(t.id, t.logprob, t.top, t.prompt, t.finish_reason) for t in g] for g in gs]
+        generations += gs
+    return out, generations
+
+
+def random_waves(seed):
+    """Waves of requests whose prompts share prefixes with earlier ones, ending at chunk ends and inside chunks;
+    greedy and seeded, n > 1 (one prompt several times, seeds apart), echo, logprobs, past block_size."""
+    rng = random.Random(seed)
+    base = [rng.randrange(70) for _ in range(48)]
+    waves = []
+    for _ in range(4):
+        wave = []
+        for _ in range(rng.randint(1, 3)):
+            shared = rng.choice([CHUNK, 2 * CHUNK, 3 * CHUNK, rng.randint(1, 40)])
+            prompt = base[:shared] + [rng.randrange(70) for _ in range(rng.randint(0, 12))]
+            settings = dict(temperature=rng.choice([0.0, 1.0]), logprobs=rng.choice([None, 2]),
+                            echo=rng.random() < 0.2, max_tokens=rng.choice([4, 30]))
+            wave += [engine.Request(prompt, seed=100 + i, **settings) for i in range(rng.choice([1, 1, 3]))]
+        waves.append(wave)
+    return waves
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cache_on_and_off_give_the_same_events_and_cached_tokens_is_the_work_saved(model, seed):
+    waves = random_waves(seed)
+    off = engine.Engine(model, Tokens(70), max_batch=4, prefill_chunk=CHUNK)
+    on = engine.Engine(model, Tokens(70), max_batch=4, prefill_chunk=CHUNK, prefix_cache_mb=1)
+    counts = []
+    for runner in (off, on):
+        counting = Counting(runner)
+        expected_or_got, generations = results(runner, waves)
+        counting.restore()
+        counts.append((counting.tokens, sum(g.cached_tokens for g in generations)))
+        counts[-1] += (expected_or_got,)
+    assert counts[1][2] == counts[0][2]  # every event: token, logprob, alternatives, echo, finish reason
+    assert counts[0][1] == 0 and counts[1][1] > 0
+    assert counts[0][0] - counts[1][0] == counts[1][1]  # the model ran on exactly cached_tokens fewer tokens
+
+
+def test_cached_tokens_are_the_whole_chunks_shared_but_the_one_ending_the_prompt(model):
+    runner = engine.Engine(model, Tokens(70), max_batch=4, prefill_chunk=CHUNK, prefix_cache_mb=1)
+    a = list(range(20))
+
+    def cached(prompt, salt=None):
+        _, (g,) = results(runner, [[engine.Request(prompt, max_tokens=1, cache_salt=salt)]])
+        return g.cached_tokens
+    assert cached(a) == 0  # chunks 0-7 and 8-15 kept; 16-19 is not a whole chunk
+    assert cached(a[:13] + [60] * 17) == 8  # shares 13 tokens: the first chunk
+    assert cached(a) == 16
+    assert cached(a[:16]) == 8  # its last chunk is encoded again: its logits start the reply
+    assert cached(a, salt="tenant") == 0 and cached(a, salt="tenant") == 16 and cached(a, salt="other") == 0
+
+
+def test_choices_of_one_request_encode_their_shared_prompt_once(model):
+    runner = engine.Engine(model, Tokens(70), max_batch=4, prefill_chunk=CHUNK, prefix_cache_mb=1)
+    prompt = list(range(3 * CHUNK + 5))
+    counting = Counting(runner)
+    _, gs = results(runner, [[engine.Request(prompt, max_tokens=3, seed=i) for i in range(4)]])
+    decoded = sum(g.completion_tokens - 1 for g in gs)
+    assert counting.tokens - decoded == len(prompt) + 3 * 5  # the others' prompt: their last 5 tokens only
+    assert [g.cached_tokens for g in gs] == [0, 24, 24, 24]
+
+
+def test_a_finished_turn_is_cached_when_idle_and_the_next_turn_encodes_only_what_is_new(model):
+    def conversation(runner):
+        turn1 = list(range(30))
+        (events,), _ = results(runner, [[engine.Request(turn1, max_tokens=10, temperature=0)]])
+        while runner.cache_tail():  # (serve.py's engine does this in its thread when it is idle)
+            pass
+        turn2 = turn1 + [t[0] for t in events] + [7, 7, 7]
+        return results(runner, [[engine.Request(turn2, max_tokens=10, temperature=0, logprobs=1)]])
+    off = engine.Engine(model, Tokens(70), max_batch=2, prefill_chunk=CHUNK)
+    on = engine.Engine(model, Tokens(70), max_batch=2, prefill_chunk=CHUNK, prefix_cache_mb=1)
+    (expected,), _ = conversation(off)
+    (got,), (g,) = conversation(on)
+    assert got == expected
+    assert g.cached_tokens == 40  # 30 + 10 reply tokens: chunks up to 40 (the reply's ones encoded as a prompt)
+
+
+def slots_of(n_layer=2, rows=2):
+    from model import GPTConfig
+    return decode.Slots(GPTConfig(block_size=32, vocab_size=70, n_layer=n_layer, n_head=2, n_embd=32), rows,
+                        torch.float32, "cpu")
+
+
+def test_the_cache_holds_its_budget_evicting_the_least_recently_used_chunks_first():
+    slots = slots_of()
+    for k in slots.k + slots.v:
+        k.normal_()
+    block = 2 * 2 * 2 * CHUNK * 16 * 4  # k and v, 2 layers, 2 heads, a chunk, head size 16, float32
+    cache = PrefixCache(slots, CHUNK, 5 * block / 2**20)
+    assert cache.blocks == 5 and cache.block_bytes == block
+    a, b, c = list(range(16)), list(range(20, 36)), list(range(40, 56))
+    for ids in (a, b):
+        cache.store(None, ids[:8], 0)
+        cache.store(None, ids, 0)
+    assert cache.take(None, a, 0, 16, 1) == 16  # a used last: b is the least recently used
+    cache.store(None, c[:8], 0)
+    cache.store(None, c, 0)  # a sixth block: b's last chunk goes (the least recently used leaf)
+    assert cache.cached(None, a, 16) == 16 and cache.cached(None, b, 16) == 8 and cache.cached(None, c, 16) == 16
+    assert torch.equal(slots.k[1][1, :, :16], slots.k[1][0, :, :16])  # what was taken is what was stored
+    for i in range(100):  # a flood of distinct prompts
+        cache.store(None, [60 + i % 10, i // 10] + list(range(6)), 0)
+    stats = cache.stats()
+    assert stats["bytes_held"] == stats["bytes_budget"] == 5 * block and stats["entries"] == 5
+    assert stats["evictions"] == 1 + 100 and cache.cached(None, a, 16) == 0
+
+
+def test_a_paused_row_parks_in_the_cache_and_comes_back_exactly():
+    slots = slots_of()
+    for k in slots.k + slots.v:
+        k.normal_()
+    cache = PrefixCache(slots, CHUNK, 3 * 2 * 2 * 2 * CHUNK * 16 * 4 / 2**20)
+    assert cache.park("row", 0, 19)  # 3 blocks
+    assert not cache.park("another", 1, 1)  # parked blocks are never evicted
+    cache.unpark("row", 1)
+    assert torch.equal(slots.v[0][1, :, :19], slots.v[0][0, :, :19])
+    assert not torch.equal(slots.v[0][1, :, :20], slots.v[0][0, :, :20])
+    assert cache.stats()["bytes_held"] == 0
+
+
+def test_with_16_unread_streams_of_8_choices_a_new_request_completes_and_the_streams_resume_as_if_read(model):
+    """16 streams of n=8 that nobody reads (max_backlog 2, as serve.py's 64) on an engine of 4 slots (serve.py has
+    32 for 128 such rows: the same shortage; without parking the new request would wait stall_timeout, 60 s):
+    each runs until paused, parks, and gives its slot on."""
+    g = torch.Generator().manual_seed(0)
+    requests = [engine.Request(torch.randint(0, 70, (10,), generator=g).tolist(), max_tokens=6, seed=10 * s + i)
+                for s in range(16) for i in range(8)]
+    runner = engine.Engine(model, Tokens(70), max_batch=4, prefill_chunk=CHUNK, prefix_cache_mb=1)  # 512 blocks
+    runner.start()
+    try:
+        unread = [runner.submit(r, max_backlog=2) for r in requests]  # 128 rows parked in 2 blocks each
+        new = runner.submit(engine.Request([1, 2, 3], max_tokens=5))
+        last = None
+        while last is None or not last.finish_reason:
+            last = new.next_event(timeout=5)
+            assert last is not None, "the new request waited more than 5 s"
+        texts = [[t.id for t in gen] for gen in unread]  # now they are read
+    finally:
+        runner.stop()
+    assert runner.cache.stats()["bytes_held"] < runner.cache.stats()["bytes_budget"]
+    off = engine.Engine(model, Tokens(70), max_batch=32, prefill_chunk=CHUNK)
+    assert texts == [[t.id for t in gen] for gen in results_of(off, requests)]
+
+
+def results_of(runner, requests):
+    gs = [runner.submit(r) for r in requests]
+    while not all(g.done for g in gs):
+        runner.step()
+    return gs
