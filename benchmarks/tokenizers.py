@@ -31,9 +31,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TEXT = os.path.join(ROOT, "..", "shared", "data", "chinese-poetry", "quantangshi.txt")
 BPE_SIZES = (4096, 8192, 16384, 32768)
 TRAINED = ("char", "gpt2", "bpe16384")  # the datasets the equal-time models train on
-MODEL = ["--n_layer=4", "--n_head=4", "--n_embd=128", "--block_size=128", "--batch_size=16", "--dropout=0.0",
-         "--learning_rate=1e-3", "--decay_lr=False", "--warmup_iters=50", "--eval_interval=1000000",
-         "--eval_iters=1", "--log_interval=10", "--max_iters=100000000", "--compile=False", "--device=cpu"]
+MODEL = ["--n_layer=4", "--n_head=4", "--n_embd=128", "--block_size=128", "--batch_size=16",
+         "--gradient_accumulation_steps=1", "--dropout=0.0", "--learning_rate=1e-3", "--decay_lr=False",
+         "--warmup_iters=50", "--eval_interval=1000000", "--eval_iters=1", "--log_interval=10",
+         "--max_iters=100000000", "--compile=False", "--device=cpu"]
 EVAL_CHARS = 20_000  # of the validation split, for eval.py --text
 PROMPT = "春望\n杜甫\n國破山河在，"  # a title, its poet and the poem's first line
 SAMPLE_CHARS = 36  # characters of each continuation shown
@@ -148,7 +149,7 @@ def table(text, rows, learned, trained, train_s):
               "| --- | ---: | ---: | ---: |"]
     lines += [f"| {name} | {r['learn_s']:.1f} | {r['peak_mib']:.0f} | {n_chars / r['tokens']:.3f} |"
               for name, r in learned.items()]
-    lines += ["", f"Equal wall time: {train_s} s of train.py each ({' '.join(MODEL[:5])}); val bits per byte on the "
+    lines += ["", f"Equal wall time: {train_s} s of train.py each ({' '.join(MODEL[:6])}); val bits per byte on the "
                   f"first {EVAL_CHARS:,} characters of the validation split; sample.py after {PROMPT!r}", "",
               "| tokenizer | iterations | last train loss | val bits/byte | sample (temperature 0.8, seed 1337) |",
               "| --- | ---: | ---: | ---: | --- |"]
