@@ -141,3 +141,19 @@ def test_a_checkpoint_samples_with_its_dataset_directory_deleted(learned, tmp_pa
     prompt = tok.encode(POEM[:5])
     expected = model.eval().generate(torch.tensor([prompt]), 12, temperature=0)[0].tolist()
     assert proc.stdout.split("\n---------------\n")[0] == tok.decode(expected)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["text", "--input", "DIR", "--name", "x", "--tokenizer", "bpe", "--vocab_size", "300"], "one text file"),
+    (["chat", "--input", "DIR", "--tokenizer", "bpe"], "--tokenizer bpe is for `text` files"),
+    (["text", "--input", "FILE", "--name", "x", "--vocab_size", "300"], "--vocab_size goes with --tokenizer bpe"),
+    (["text", "--input", "FILE", "--name", "x", "--tokenizer", "bpe"], "--vocab_size goes with --tokenizer bpe"),
+])
+def test_what_a_learned_bpe_is_not_for_yet_is_refused_in_one_line(tmp_path, args, says):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("hello", encoding="utf-8")
+    (tmp_path / "f.txt").write_text("hello world", encoding="utf-8")
+    args = [{"DIR": tmp_path / "docs", "FILE": tmp_path / "f.txt"}.get(a, a) for a in args]
+    proc = run_in_process(prepare.main, *args, "--data_dir", tmp_path / "data")
+    assert_one_error_line(proc, says)
+    assert not (tmp_path / "data").exists()
