@@ -21,7 +21,8 @@ A chat model (one finetuned on conversations: prepare.py chat) is talked to inst
     python sample.py --out_dir=out-chat --chat [--system="You are terse."]
 
 each line typed is the user's turn, the reply streams back, and the conversation stays in
-the context (machinery/talk.py); an empty line or Ctrl-D ends it.
+the context (machinery/talk.py: each turn encodes only its new message, the rest is
+taken from the engine's prefix cache, --prefix_cache_mb); an empty line or Ctrl-D ends it.
 """
 
 import sys
@@ -56,6 +57,8 @@ class SampleConfig(loading.RunSource):
                                 "streams back, the conversation stays in the context (its oldest turns dropped "
                                 "when it is full); an empty line or Ctrl-D ends it")
     system: Optional[str] = setting(None, "--chat: the system message the conversation begins with")
+    prefix_cache_mb: int = setting(1024, "MB of memory that keep the encoded conversation for the next turn (--chat) "
+                                         "and a prompt for the other samples, exactly; 0: none")
 
     def validate(self):
         super().validate()
@@ -64,6 +67,8 @@ class SampleConfig(loading.RunSource):
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
         if self.temperature < 0:
             raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        if self.prefix_cache_mb < 0:
+            raise UserError(f"prefix_cache_mb must be 0 (no prefix cache) or more, got {self.prefix_cache_mb}")
         if self.top_k is not None and self.top_k <= 0:
             raise UserError(f"top_k must be positive, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -106,7 +111,7 @@ def main(argv=None):
     model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
     print(describe(loaded.device, loaded.dtype), file=sys.stderr)  # (stdout is the samples' alone)
     runner = engine.Engine(model, tokenizer, loaded.device, max_batch=1 if cfg.chat else cfg.num_samples,
-                           use_cache=cfg.use_cache, compile=cfg.compile)
+                           use_cache=cfg.use_cache, compile=cfg.compile, prefix_cache_mb=cfg.prefix_cache_mb)
     if cfg.chat:
         talk.converse(cfg, runner, tokenizer)
     else:

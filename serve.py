@@ -49,6 +49,10 @@ class ServeConfig(loading.RunSource):
     stream_timeout: float = setting(60.0, "seconds a stream may leave its tokens unread (a client that stopped "
                                           "reading) before it is ended")
     compile: bool = setting(False, "torch.compile the model")
+    prefix_cache_mb: int = setting(1024, "MB of memory (on the device) that keep prompts' encoded prefixes for the "
+                                         "requests that begin with them (the next turn of a chat, a shared system "
+                                         "prompt), exactly, and the rows of streams nobody reads while others wait; "
+                                         "0: none")
 
     def validate(self):
         super().validate()
@@ -56,6 +60,8 @@ class ServeConfig(loading.RunSource):
                      "stream_timeout"):
             if getattr(self, name) <= 0:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.prefix_cache_mb < 0:
+            raise UserError(f"prefix_cache_mb must be 0 (no prefix cache) or more, got {self.prefix_cache_mb}")
         if not 0 < self.port < 65536:
             raise UserError(f"port must be from 1 to 65535, got {self.port}")
 
@@ -69,7 +75,8 @@ def build(cfg):
     loaded = loading.load_run(cfg)
     model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
     runner = engine.Engine(model, loaded.tokenizer, loaded.device, cfg.max_batch, cfg.max_waiting,
-                           prefill_chunk=cfg.prefill_chunk, stall_timeout=cfg.stream_timeout, compile=cfg.compile)
+                           prefill_chunk=cfg.prefill_chunk, stall_timeout=cfg.stream_timeout, compile=cfg.compile,
+                           prefix_cache_mb=cfg.prefix_cache_mb)
     limits = openai_api.Limits(cfg.max_tokens, cfg.max_n, cfg.max_body)
     server = openai_api.Server(runner, loaded.tokenizer, cfg.served_name, limits, cfg.api_key, loaded.data_meta.chat)
     return server, loaded

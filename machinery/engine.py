@@ -15,6 +15,13 @@ either (on the CPU) attends row by row over exactly each row's positions with on
 products (PackedLinear), whose result for one row does not depend on the number of rows, or (on CUDA: fixed)
 runs every row of the cache in shapes that never change, as one CUDA graph (machinery/decode.py).
 
+With a prefix cache (prefix_cache_mb; machinery/prefix_cache.py), a prompt's whole chunks are kept, and a
+request that begins with them (the next turn of a conversation, a shared system prompt, the other choices of
+a request) copies them into its row instead of encoding them: since a chunk is encoded alone, what it copies
+is what it would compute, and its tokens are the same. When idle, the engine encodes finished generations
+(prompt and reply) in chunks into the cache, for the next turn; and a paused generation (its reader does not
+read) gives its slot to a waiting request, its row kept in the cache, and resumes where it was.
+
 A request that fails (an exception in its forward pass or its sampling) ends alone, with finish_reason
 "error": the rows of a failed step are run again one by one, and only those that fail alone end. An
 exception outside any request stops the engine (alive is then False: serve.py's /health answers 503).
@@ -383,6 +390,10 @@ class Engine:
         only at the next step)."""
         with self.lock:
             return sum(not g.done for g in self.rows + self.parked), len(self.waiting)
+
+    def cache_stats(self):
+        """The prefix cache's statistics (PrefixCache.stats), or None without one."""
+        return None if self.cache is None else self.cache.stats()
 
     @property
     def alive(self):

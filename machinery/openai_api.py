@@ -7,6 +7,7 @@ field by field, so that every mistake gets OpenAI's error object and a 4xx statu
     GET  /health                {"status": "ok", "running": N, "waiting": M}; 503 once the engine cannot serve
     GET  /v1/models             the one model, by name, and its context length (max_model_len)
     GET  /v1/models/{name}      that model (404 for another name)
+    GET  /metrics               the prefix cache's lookups, hits, tokens saved, evictions, bytes held (Prometheus)
     POST /v1/completions        prompt: a string, a list of token ids, or a list of either; max_tokens (16),
                                 temperature (1), top_p, top_k (an extension), n, stop, seed, stream, echo,
                                 logprobs (0-5), stream_options.include_usage
@@ -35,6 +36,10 @@ Semantics worth knowing:
 - Streams end as OpenAI's: the text in chunks whose finish_reason is null, then a chunk without text (chat:
   delta {}) that carries it; a chat stream's first chunk says role "assistant". With
   stream_options.include_usage every chunk says "usage": null but the last, whose choices are [].
+- Prompt caching: a prompt that begins as an earlier one did (the same system prompt, the conversation so far)
+  takes its whole prefill chunks from the engine's prefix cache instead of encoding them, with the same results
+  (machinery/prefix_cache.py); usage.prompt_tokens_details.cached_tokens says how many. cache_salt (a string,
+  vLLM's field) keeps requests of different salts from sharing anything.
 - seed: choice i of a request draws with seed + i (its own torch.Generator), so the same seeded request
   gives the same text alone or among others (machinery/engine.py). Without a seed, a random one.
 - With an API key, every route but / and /health needs `Authorization: Bearer KEY` (401 without). POST routes
@@ -150,6 +155,7 @@ class Requests:
         self.logprobs = field(body, "logprobs", int, None, lambda v: 0 <= v <= MAX_LOGPROBS,
                               f"an integer from 0 to {MAX_LOGPROBS}")
         self.echo = field(body, "echo", bool, False, expect="true or false")
+        self.cache_salt = field(body, "cache_salt", str, None, expect="a string")
         self.stream = field(body, "stream", bool, False, expect="true or false")
         options = field(body, "stream_options", dict, {}, expect="an object")
         self.include_usage = field(options, "include_usage", bool, False, expect="true or false")
@@ -168,7 +174,7 @@ class Requests:
         block_size = self.server.block_size
         return [Request(ids, self.max_tokens if self.max_tokens is not None else max(1, block_size - len(ids)),
                         self.temperature, self.top_k, self.top_p, None if self.seed is None else self.seed + i,
-                        self.stop, self.stop_tokens, self.logprobs, self.echo)
+                        self.stop, self.stop_tokens, self.logprobs, self.echo, self.cache_salt)
                 for ids in prompts for i in range(self.n)]
 
 
@@ -293,7 +299,9 @@ def scored(tokenizer, token_id, logprob):
 def usage(completions):
     prompt = sum(c.generation.prompt_tokens for c in completions)
     done = sum(c.generation.completion_tokens for c in completions)
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    cached = sum(c.generation.cached_tokens for c in completions)  # taken from the prefix cache, not encoded
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class Server:
@@ -633,7 +641,7 @@ async def answer(server, request, prompts, requests, chat):
 def add_generation_routes(app, server):
     """The page, health, models, completions and chat completions."""
     from fastapi import Request as HTTPRequest
-    from fastapi.responses import FileResponse, JSONResponse
+    from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 
     @app.get("/", include_in_schema=False)
     async def page():
@@ -646,6 +654,12 @@ def add_generation_routes(app, server):
             return JSONResponse({"status": "error", "error": server.engine.failure or "the engine has stopped",
                                  "running": running, "waiting": waiting}, status_code=503)
         return {"status": "ok", "running": running, "waiting": waiting}
+
+    @app.get("/metrics")
+    async def metrics(request: HTTPRequest):  # (Prometheus's text format)
+        await body_of(server, request)
+        stats = server.engine.cache_stats() or {}
+        return PlainTextResponse("".join(f"prefix_cache_{name} {value}\n" for name, value in stats.items()))
 
     @app.get("/v1/models")
     async def models(request: HTTPRequest):

@@ -6,7 +6,8 @@ A chat model is one trained on a chat format (machinery/chat.py; its data's meta
 generated after the conversation so far, encoded by chat.encode with its generation prompt, and ends at the
 assistant's end of turn. In the terminal the whole conversation stays in the context, turn after turn; when the
 next prompt would leave less than a reply's room in block_size, its oldest turns are dropped (a system message
-stays), and that is said once.
+stays), and that is said once. After each reply the conversation so far is encoded into the engine's prefix cache
+(Engine.cache_tail), so the next turn encodes only its new message.
 """
 
 import contextlib
@@ -100,6 +101,8 @@ def converse(cfg, runner, tokenizer, read=input, out=None):
                                  cfg.top_p, seed=cfg.seed + i, stop=(cfg.stop,) if cfg.stop else (),
                                  stop_tokens=stop_tokens(tokenizer))
         conversation.answered(reply(runner, request, cfg.stream, out))
+        while runner.cache_tail():  # (before the next line is read: the next turn then encodes only what is new)
+            pass
 
 
 def reply(runner, request, stream, out):

@@ -191,3 +191,38 @@ def results_of(runner, requests):
     while not all(g.done for g in gs):
         runner.step()
     return gs
+
+
+def test_the_api_reports_cached_tokens_keeps_salts_apart_and_serves_the_cache_statistics(tmp_path_factory):
+    """serve.py: usage.prompt_tokens_details.cached_tokens in completions and chat (streamed usage too), the same
+    text with and without a hit, cache_salt, GET /metrics."""
+    import httpx
+    from test_serve import ckpt_dir, serving
+
+    with serving(ckpt_dir.__wrapped__(tmp_path_factory), "--prefill_chunk=8") as server:
+        def complete(route="completions", **body):
+            base = {"prompt": "ROMEO: what light through yonder window", "max_tokens": 5, "temperature": 0}
+            if route == "chat/completions":
+                base = {"messages": [{"role": "user", "content": base["prompt"]}], "max_tokens": 5, "temperature": 0}
+            answer = httpx.post(f"{server.url}/v1/{route}", json=base | body, timeout=30)
+            return answer.status_code, answer.json()
+        _, first = complete()
+        _, again = complete()
+        assert first["usage"]["prompt_tokens"] == 39 and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32  # whole chunks but the last
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert complete(cache_salt="tenant")[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert complete(cache_salt=5)[0] == 400
+        stream = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+            "prompt": "ROMEO: what light through yonder window", "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}})
+        last = [line for line in stream.text.splitlines() if line.startswith("data: {")][-1]
+        assert '"prompt_tokens_details": {"cached_tokens": 32}' in last
+        _, chat = complete("chat/completions")
+        _, chat_again = complete("chat/completions")
+        assert chat_again["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+            (chat["usage"]["prompt_tokens"] - 1) // 8 * 8 > 0
+        assert chat_again["choices"][0]["message"] == chat["choices"][0]["message"]
+        metrics = dict(line.split() for line in httpx.get(f"{server.url}/metrics").text.splitlines())
+        assert int(metrics["prefix_cache_hits"]) == 3 and int(metrics["prefix_cache_tokens_saved"]) == 32 * 2 + \
+            chat_again["usage"]["prompt_tokens_details"]["cached_tokens"]
