@@ -68,6 +68,12 @@ per byte and a sample of each. See benchmarks/tokenizers.py.
 
     python bench.py --mode=tokenizers [--input=PATH] [--train_s=300]
 
+mode=conversation: the prefix cache through serve.py: a GPT-2-shaped model's time to the first token at each of 8
+turns of a conversation with and without the cache, 8 conversations at once, the server's memory under a flood of
+distinct prompts. See benchmarks/conversation.py.
+
+    python bench.py --mode=conversation [--flood=2000]
+
 Every train.py setting is a setting here too, so training config files work as they are;
 vocab_size defaults to the configured dataset's when it has been prepared. Each figure is the
 median of `repeats` measurements taken after `warmup` unmeasured ones.
@@ -84,6 +90,7 @@ import numpy as np
 import torch
 
 from benchmarks.chat import bench_chat
+from benchmarks.conversation import bench_conversation
 from benchmarks.faults import bench_faults
 from benchmarks.gpu import bench_gpu
 from benchmarks.prepare import bench_prepare
@@ -105,8 +112,9 @@ class BenchConfig(TrainConfig):
                                "under load; batch-1 decoding against transformers), faults (serve.py against "
                                "long prompts, clients that stop reading or hang up), chat (chat finetuning, "
                                "four ways, on a synthetic task), gpu (every GPU goal in one command, PASS / FAIL "
-                               "a line; --device=cpu: its quick form) or tokenizers (char, GPT-2 and learned BPEs "
-                               "on a text: compression, and models trained for the same wall time)")
+                               "a line; --device=cpu: its quick form), tokenizers (char, GPT-2 and learned BPEs "
+                               "on a text: compression, and models trained for the same wall time) or conversation "
+                               "(serve.py's prefix cache over the turns of conversations)")
     warmup: int = setting(1, "unmeasured runs (sample) or iterations (train) before the measured ones (compilation, "
                              "caches)")
     repeats: int = setting(3, "measured runs or iterations; the median is reported")
@@ -146,13 +154,17 @@ class BenchConfig(TrainConfig):
     budget_s: int = setting(480, "mode=gpu: seconds the command may take; its last part, the GPU speedrun pair "
                                  "(~300 s on an H100), runs only when that much is left")
     chat_heldout: int = setting(50, "mode=chat: held-out conversations generated (2 or 3 replies each)")
+    flood: int = setting(2000, "mode=conversation: distinct long prompts sent to a small model's server with a "
+                               "64 MB prefix cache, its memory watched (0: none)")
 
     def validate(self):
         super().validate()
         if self.mode not in ("sample", "train", "speedrun", "prepare", "serve", "faults", "chat", "gpu",
-                             "tokenizers"):
-            raise UserError(f"mode must be sample, train, speedrun, prepare, serve, faults, chat, gpu or tokenizers, "
-                            f"got {self.mode!r}")
+                             "tokenizers", "conversation"):
+            raise UserError(f"mode must be sample, train, speedrun, prepare, serve, faults, chat, gpu, tokenizers or "
+                            f"conversation, got {self.mode!r}")
+        if self.flood < 0:
+            raise UserError(f"flood must be 0 (no flood) or more prompts, got {self.flood}")
         if not all(c.strip().isdigit() and int(c) > 0 for c in self.clients.split(",")):
             raise UserError(f"clients must be positive numbers separated by commas, got {self.clients!r}")
         if self.mode == "serve" and self.prompt_lens and not all(n.strip().isdigit() and 0 < int(n) <= self.block_size
@@ -308,7 +320,8 @@ def commands():
 
 def main(argv=None):
     cfg = configurator.parse(BenchConfig, argv, usage="python bench.py [config/FILE.py ...] [--key=value ...] --mode="
-                                                      "sample|train|speedrun|prepare|serve|faults|chat|gpu|tokenizers")
+                                                      "sample|train|speedrun|prepare|serve|faults|chat|gpu|tokenizers|"
+                                                      "conversation")
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -320,7 +333,8 @@ def main(argv=None):
         if cfg.mode == "gpu":
             return bench_gpu(cfg, workdir, gpu_step(workdir), TrainConfig)
         return {"sample": bench_sample, "train": bench_train, "prepare": bench_prepare,
-                "serve": bench_serve, "faults": bench_faults, "tokenizers": bench_tokenizers}[cfg.mode](cfg, workdir)
+                "serve": bench_serve, "faults": bench_faults, "tokenizers": bench_tokenizers,
+                "conversation": bench_conversation}[cfg.mode](cfg, workdir)
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ def test_train_mode_reads_a_training_config_file(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("arg,message", [("--mode=fast", "mode must be sample, train, speedrun, prepare, "
-                                                        "serve, faults, chat, gpu or tokenizers, got 'fast'"),
+                                                        "serve, faults, chat, gpu, tokenizers or conversation, got 'fast'"),
                                          ("--chat_sft_iters=0", "chat_sft_iters must be positive"),
                                          ("--prompt_len=17", "prompt_len .17. must be at most block_size"),
                                          ("--num_proc=-1", "num_proc must not be negative"),
