@@ -571,6 +571,8 @@ class Engine:
         do). A reply's own keys and values were computed token by token (another rounding); chunks are what a
         prompt's encoding gives."""
         C = self.prefill_chunk
+        if self.cache is not None and self.tails:
+            self._admit()  # (the rows that ended give their slots back)
         while self.cache is not None and self.tails:
             salt, ids = self.tails[0]
             have, end = self.cache.cached(salt, ids, len(ids)), len(ids) // C * C

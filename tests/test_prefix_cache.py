@@ -228,3 +228,35 @@ def test_the_api_reports_cached_tokens_keeps_salts_apart_and_serves_the_cache_st
         metrics = dict(line.split() for line in httpx.get(f"{server.url}/metrics").text.splitlines())
         assert int(metrics["prefix_cache_hits"]) == 3 and int(metrics["prefix_cache_tokens_saved"]) == 32 * 2 + \
             chat_again["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_sample_py_chat_encodes_only_each_turns_new_message_and_replies_as_without_the_cache():
+    """talk.converse (sample.py --chat): after each reply the conversation is cached, so the next turn takes it
+    (whole chunks) from the cache; the replies are those of an engine without the cache."""
+    import io
+    import types
+
+    from machinery import chat, talk
+
+    tok = chat.tokenizer()
+    model = engine.prepare(small_model(n_embd=32, block_size=256, vocab_size=tok.vocab_size), "cpu", "float32")
+    cfg = types.SimpleNamespace(max_new_tokens=12, temperature=0.0, top_k=None, top_p=None, seed=1, stop=None,
+                                stream=False, system="You answer in the manner of a Shakespearean clown. " * 4,
+                                name="tiny")
+
+    def talk_with(runner):
+        lines = iter(["Good morrow, fool.", "What news from the court?", "And the king?", ""])
+        submitted, submit = [], runner.submit
+        runner.submit = lambda request, **kw: submitted.append(submit(request, **kw)) or submitted[-1]
+        out = io.StringIO()
+        talk.converse(cfg, runner, tok, read=lambda shown: next(lines), out=out)
+        return out.getvalue(), submitted
+    expected, _ = talk_with(engine.Engine(model, tok, max_batch=1, prefill_chunk=CHUNK))
+    got, turns = talk_with(engine.Engine(model, tok, max_batch=1, prefill_chunk=CHUNK, prefix_cache_mb=4))
+    assert got == expected
+    for before, turn in zip(turns, turns[1:]):  # what it shares with the turn before (prompt and reply), whole chunks
+        prompt = turn.ids[:turn.prompt_tokens]  # (a reply's text encoded again may split otherwise than it was drawn)
+        shared = next(i for i, (a, b) in enumerate(zip(before.ids + [None], prompt + [None])) if a != b)
+        assert turn.cached_tokens == min(shared // CHUNK, (turn.prompt_tokens - 1) // CHUNK) * CHUNK > 0
+    # the reply's chunks too (encoded after it), not only the prompt's (encoded with it)
+    assert any(turn.cached_tokens > before.prompt_tokens // CHUNK * CHUNK for before, turn in zip(turns, turns[1:]))
