@@ -217,7 +217,7 @@ def learned_tokenizer_json(tok):
             return tok.ranks
 
     specials = sorted(tok.specials, key=tok.specials.get)
-    converted = RanksConverter(pattern=tok.enc._pat_str, extra_special_tokens=specials).converted()
+    converted = RanksConverter(pattern=tok.pattern, extra_special_tokens=specials).converted()
     if [converted.token_to_id(t) for t in specials] != [tok.specials[t] for t in specials]:
         raise UserError("Hugging Face's tokenizer cannot give this tokenizer's special tokens their ids; export it "
                         "with --to=gguf")

@@ -62,7 +62,7 @@ def vocabulary(gguf, vocab_size, data_meta):
     unused ones; their types; the merges. GPT-2's, or a learned BPE's (as its Hugging Face export says them)."""
     tok = data_meta.make_tokenizer()
     if data_meta.tokenizer == "bpe":
-        if tok.enc._pat_str != GPT2_PATTERN:
+        if tok.pattern != GPT2_PATTERN:
             raise UserError("GGUF names its pre-tokenizer, and llama.cpp knows none for this tokenizer's split "
                             "pattern (only GPT-2's); export it with --to=hf instead")
         model = json.loads(convert.learned_tokenizer_json(tok))["model"]

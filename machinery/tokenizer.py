@@ -90,6 +90,7 @@ class BPETokenizer:
     def __init__(self, enc, specials):
         self.enc = enc
         self.ranks = enc._mergeable_ranks  # {bytes: rank} (tiktoken's documented way of extending an encoding)
+        self.pattern = enc._pat_str  # the regular expression that splits text before merging (GPT2_PATTERN here)
         self.specials = dict(specials)
         self.vocab_size = enc.n_vocab
         self.eot_token = enc.eot_token
