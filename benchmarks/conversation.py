@@ -1,11 +1,11 @@
 """
 bench.py --mode=conversation: the prefix cache (machinery/prefix_cache.py) through serve.py, on conversations.
 
-A random model of GPT-2's architecture (124M with bench.py's default settings), float32 on the CPU. A conversation
-is a 300-token system prompt, then 8 turns of a 30-token user message and a 40-token reply (greedy), each turn's
-prompt the whole conversation so far (as every chat client sends it), the replies as a text client would send
-them back (the reply's text encoded again). A pause of THINK_S between turns stands for the user reading and
-typing; the engine then encodes the finished turn into the cache.
+A random model of GPT-2's architecture (124M with bench.py's default settings) on the CPU, in --dtype (auto, as
+serve.py's default). A conversation is a 300-token system prompt, then 8 turns of a 30-token user message and a
+40-token reply (greedy), each turn's prompt the whole conversation so far (as every chat client sends it), the
+replies as a text client would send them back (the reply's text encoded again). A pause of THINK_S between turns
+stands for the user reading and typing; the engine then encodes the finished turn into the cache.
 
 1. One conversation: the time to the first token at each turn, with the cache and without it (two servers in
    the same run), and whether every reply is the same both ways.
@@ -26,6 +26,7 @@ import time
 import torch
 
 from benchmarks.serve import GPT2_VOCAB_SIZE, free_port, gpt2_shaped, start_server
+from machinery.hardware import pick_dtype
 from machinery.tokenizer import GPT2Tokenizer
 
 SYSTEM, USER, REPLY, TURNS, CONVERSATIONS = 300, 30, 40, 8, 8
@@ -77,10 +78,10 @@ async def conversations(url, count, tokenizer):
 
 
 @contextlib.contextmanager
-def serving(hf_dir, *settings):
-    """serve.py on hf_dir in float32 on the CPU: (its completions URL, its process); stopped on the way out."""
+def serving(hf_dir, dtype, *settings):
+    """serve.py on hf_dir in dtype on the CPU: (its completions URL, its process); stopped on the way out."""
     port = free_port()
-    proc = start_server(hf_dir, "float32", port, *settings)
+    proc = start_server(hf_dir, dtype, port, *settings)
     try:
         yield f"http://127.0.0.1:{port}/v1/completions", proc
     finally:
@@ -101,9 +102,9 @@ def rss_mb(pid):
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-def measure(hf_dir, cache_mb, tokenizer):
+def measure(hf_dir, dtype, cache_mb, tokenizer):
     """One conversation, then CONVERSATIONS at once, through a server with a cache of cache_mb (0: none)."""
-    with serving(hf_dir, f"--prefix_cache_mb={cache_mb}") as (url, proc):
+    with serving(hf_dir, dtype, f"--prefix_cache_mb={cache_mb}") as (url, proc):
         asyncio.run(warm_up(url))
         (alone,), _ = asyncio.run(conversations(url, 1, tokenizer))
         together, rate = asyncio.run(conversations(url, CONVERSATIONS, tokenizer))
@@ -129,18 +130,18 @@ def flood(cfg, workdir, count):
                 if (start + 8) % max(8, count // 4 // 8 * 8) == 0:
                     sizes.append(rss_mb(proc.pid))
         return sizes + [rss_mb(proc.pid)]
-    with serving(hf_dir, f"--prefix_cache_mb={FLOOD_MB}") as (url, proc):
+    with serving(hf_dir, "float32", f"--prefix_cache_mb={FLOOD_MB}") as (url, proc):
         return asyncio.run(run(url, proc))
 
 
 def bench_conversation(cfg, workdir):
     tokenizer = GPT2Tokenizer()
     hf_dir = os.path.join(workdir, "gpt2-shaped")
-    model = gpt2_shaped(cfg, hf_dir)
-    print(f"model: GPT-2 architecture, {model.get_num_params() / 1e6:.1f}M parameters, random weights, float32, "
+    model, dtype = gpt2_shaped(cfg, hf_dir), pick_dtype(cfg.dtype, "cpu")  # (the server's default: dtype=auto)
+    print(f"model: GPT-2 architecture, {model.get_num_params() / 1e6:.1f}M parameters, random weights, {dtype}, "
           f"CPU, {torch.get_num_threads()} threads; a {SYSTEM}-token system prompt, {TURNS} turns of {USER} + "
           f"{REPLY} tokens, {THINK_S} s between turns", flush=True)
-    on, off = measure(hf_dir, 1024, tokenizer), measure(hf_dir, 0, tokenizer)
+    on, off = measure(hf_dir, dtype, 1024, tokenizer), measure(hf_dir, dtype, 0, tokenizer)
     print("one conversation: time to the first token (ms) at each turn")
     print(f"  {'turn':>4} {'prompt':>6} {'cache':>7} {'none':>7} {'gain':>6}")
     for turn in range(TURNS):
