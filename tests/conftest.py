@@ -308,9 +308,8 @@ def start_script(spawn, zygotes):
 
 def script_zygote(zygotes):
     """(the environment start_script runs a script in, the Zygote it forks it from), that Zygote started now if it
-    is not yet (it then imports while the test goes on). One thread: the test's own process (a server's clients)
-    needs the other core; two server threads fighting it for 2 cores made test_serve & co. ~10 % slower."""
-    env = dict(START_ENV, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    is not yet (it then imports while the test goes on)."""
+    env = dict(START_ENV, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1")
     return env, zygotes(SCRIPT_IMPORTS, (), env, 1)[0]
 
 
