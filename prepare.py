@@ -5,6 +5,7 @@ Turn a text file into a training dataset: data/<name>/{train.bin, val.bin, meta.
     python prepare.py shakespeare [--input PATH]        # the same corpus in GPT-2 BPE
     python prepare.py text --input PATH --name NAME [--tokenizer char|gpt2]
     python prepare.py text --input PATH --name NAME --tokenizer bpe --vocab_size 16384   # a BPE learned here
+    python prepare.py text --input DIR --name NAME [--tokenizer gpt2|bpe ...]   # documents: token shards (corpus.py)
     python prepare.py chat --input FILE|DIR [--name NAME] [--max_len 1024]   # conversations (conversations.py)
 
 train.bin / val.bin hold the token ids of the first 90% / last 10% of the text
@@ -15,12 +16,12 @@ large corpus never has to fit in memory as one string.
 
 --tokenizer bpe learns a byte-level BPE of --vocab_size tokens on the training
 split (its first --tokenizer_chars characters, where given) with machinery/bpe.py,
-and writes it beside meta.json (tokenizer.tiktoken).
+and writes it beside meta.json (tokenizer.tiktoken). For a directory of documents
+the training split is the documents after validation's first ones (corpus.py).
 """
 
 import argparse
 import os
-import time
 import urllib.request
 from contextlib import ExitStack
 
@@ -78,10 +79,7 @@ def prepare(input_path, out_dir, tokenizer_kind="char", val_fraction=0.1, vocab_
         raise UserError(f"--val_fraction must be between 0 and 1, got {val_fraction}")
     if tokenizer_kind not in ("char", "gpt2", "bpe"):
         raise UserError(f"unknown tokenizer {tokenizer_kind!r}; use char, gpt2 or bpe")
-    if (vocab_size is None) != (tokenizer_kind != "bpe"):
-        raise UserError("--vocab_size goes with --tokenizer bpe (the size of the vocabulary to learn), and only there")
-    if tokenizer_kind == "bpe":
-        bpe.check_vocab_size(vocab_size)  # (before reading the corpus)
+    bpe.check_options(tokenizer_kind, vocab_size)  # (before reading the corpus)
     n_chars, chars = scan(input_path)
     split_at = int(n_chars * (1 - val_fraction))
     tok = make_tokenizer(tokenizer_kind, input_path, chars, vocab_size, min(split_at, tokenizer_chars or split_at))
@@ -114,11 +112,8 @@ def make_tokenizer(kind, input_path, chars, vocab_size, learn_chars):
         return CharTokenizer(sorted(chars))
     if kind == "gpt2":
         return GPT2Tokenizer()
-    print(f"learning a BPE of {vocab_size} tokens on {learn_chars:,} characters of {input_path}")
-    start = time.perf_counter()
-    tok = bpe.learn(bpe.pieces(read_chunks(input_path), learn_chars), vocab_size)
-    print(f"learned in {time.perf_counter() - start:.2f} s")
-    return tok
+    return bpe.learn_on(bpe.pieces(read_chunks(input_path), learn_chars), vocab_size,
+                        f"{learn_chars:,} characters of {input_path}")
 
 
 def write_tokens(input_path, tok, bins, split_at, n_chars):
@@ -179,8 +174,8 @@ def parser():
     p.add_argument("--name", help="the dataset's name: output in DATA_DIR/NAME (a plain name, not a path; default: "
                                   "the corpus's)")
     p.add_argument("--tokenizer", choices=["char", "gpt2", "bpe"],
-                   help="for a `text` file (default char; chat: gpt2 only); bpe: a byte-level BPE learned on the "
-                        "training split, of --vocab_size tokens")
+                   help="for `text` (default char for a file, gpt2 for a directory; chat: gpt2 only); bpe: a "
+                        "byte-level BPE learned on the training split, of --vocab_size tokens")
     p.add_argument("--vocab_size", type=int, help="--tokenizer bpe: the tokens to learn, the 256 bytes and "
                                                   f"{len(bpe.SPECIALS)} special tokens among them (e.g. 16384)")
     p.add_argument("--tokenizer_chars", type=int, help="--tokenizer bpe: learn on the first this many characters "
@@ -201,12 +196,15 @@ def parser():
 
 
 def check_bpe_options(args):
-    """A one-line error for --tokenizer bpe where it cannot be learned, or --tokenizer_chars out of range."""
+    """A one-line error for --tokenizer bpe where it cannot be learned, --vocab_size without it (or out of range),
+    a directory of documents by character, or --tokenizer_chars out of range."""
     if args.tokenizer == "bpe" and args.corpus != "text":
-        raise UserError(f"--tokenizer bpe is for `text` files; {args.corpus} is prepared with its own tokenizer")
-    if args.tokenizer == "bpe" and args.input and os.path.isdir(args.input):
-        raise UserError("--tokenizer bpe takes one text file for now (not a directory of documents); join them "
-                        "into one file, or use --tokenizer gpt2")
+        raise UserError(f"--tokenizer bpe is for `text` files and directories; {args.corpus} is prepared with its "
+                        f"own tokenizer")
+    bpe.check_options(args.tokenizer, args.vocab_size)
+    if args.tokenizer == "char" and args.corpus == "text" and args.input and os.path.isdir(args.input):
+        raise UserError("a directory of documents is prepared in GPT-2 BPE or a BPE learned on it (--tokenizer gpt2 "
+                        "or bpe), not by character; join them into one text file for char")
     if args.tokenizer_chars is not None and args.tokenizer_chars < 1:
         raise UserError(f"--tokenizer_chars must be at least 1, got {args.tokenizer_chars}")
 
@@ -218,7 +216,7 @@ def main(argv=None):
     check_bpe_options(args)
     if args.corpus in corpus.HUB_CORPORA or (args.corpus == "text" and args.input and os.path.isdir(args.input)):
         corpus.prepare_from_cli(args.corpus, args.data_dir, args.name, args.input, args.subset, args.num_proc,
-                                args.shard_tokens)
+                                args.shard_tokens, args.vocab_size, args.tokenizer_chars)
         return
     if args.corpus == "chat":
         if not args.input:

@@ -8,6 +8,8 @@ N - 256 - len(SPECIALS) learned merges, then the special tokens at the top ids: 
 documents) and the chat format's (machinery/chat.py), so a chat model needs no ids outside the vocabulary.
 """
 
+import time
+
 from machinery import chat
 from machinery.errors import UserError
 from machinery.tokenizer import EOT_TEXT, GPT2_PATTERN, BPETokenizer
@@ -24,6 +26,14 @@ def check_vocab_size(vocab_size):
         raise UserError(f"--vocab_size {vocab_size} is outside {least}..{MAX_VOCAB_SIZE}: a learned BPE holds the "
                         f"256 bytes and {len(SPECIALS)} special tokens, and token files hold uint16 ids")
     return vocab_size
+
+
+def check_options(tokenizer_kind, vocab_size):
+    """A one-line error unless --vocab_size comes with --tokenizer bpe, and only there, and fits (check_vocab_size)."""
+    if (vocab_size is None) != (tokenizer_kind != "bpe"):
+        raise UserError("--vocab_size goes with --tokenizer bpe (the size of the vocabulary to learn), and only there")
+    if vocab_size is not None:
+        check_vocab_size(vocab_size)
 
 
 def train(texts, n_tokens):
@@ -49,6 +59,16 @@ def learn(texts, vocab_size):
     return BPETokenizer.learned(ranks, specials_after(len(ranks)))
 
 
+def learn_on(texts, vocab_size, what):
+    """learn(texts, vocab_size), saying what it learns on (e.g. "1,000 characters of corpus.txt") and how long it
+    took."""
+    print(f"learning a BPE of {vocab_size} tokens on {what}")
+    start = time.perf_counter()
+    tok = learn(texts, vocab_size)
+    print(f"learned in {time.perf_counter() - start:.2f} s")
+    return tok
+
+
 def specials_after(n_ranks):
     """{text: id} of the special tokens after n_ranks learned tokens."""
     return {text: n_ranks + i for i, text in enumerate(SPECIALS)}
@@ -59,8 +79,8 @@ def pieces(chunks, limit=None):
     seen = 0
     for text in chunks:
         if limit is not None:
-            text = text[:max(limit - seen, 0)]
-        if not text:
-            return
+            if seen >= limit:
+                return
+            text = text[:limit - seen]
         seen += len(text)
-        yield text
+        yield text  # (an empty one too: an empty document does not end the corpus)

@@ -1,6 +1,7 @@
 """
 Large-corpus preparation: documents in (documents.py), GPT-2 token shards out (prepare.py's
-openwebtext, fineweb_edu and `text --input DIR` modes).
+openwebtext, fineweb_edu and `text --input DIR` modes), or shards of a BPE learned on the
+corpus (`text --input DIR --tokenizer bpe`, below).
 
     documents (local parquet / JSON lines / .txt files, or the Hugging Face hub), in order
       -> [eot] + encode_ordinary(doc) on every core (a process pool, results kept in order)
@@ -20,27 +21,38 @@ is cut again at the end, its tail read back into the first train shard.
 Memory does not grow with the corpus: documents are read in batches, at most
 2 * num_proc chunks are in flight, and one shard buffer is filled at a time.
 
+A learned BPE (vocab_size given) is learned on the training documents alone, so validation
+cannot be cut at a token count, which the tokenizer decides: it gets the first documents
+holding VAL_PERCENT % of the characters (at most shard_tokens characters, but at least one
+document), all of them and nothing else in the first shard; the tokenizer is learned on the
+documents after them (their first tokenizer_chars characters, where given), streamed, before
+anything is written; train's shards follow as above.
+
 An interrupted run picks up where it stopped: after each finished shard, a small
 progress file beside the shards records where in the document stream the shard
 ended (documents done + tokens of the next one already written). A re-run checks
 the finished shards' headers, skips those documents and continues, writing exactly
-the bytes an uninterrupted run would.
+the bytes an uninterrupted run would (a learned BPE is learned again, and must come out the
+same: rustbpe's learning is deterministic).
 """
 
+import hashlib
 import json
 import os
 import re
 from collections import deque
 from contextlib import closing
+from dataclasses import replace
+from itertools import islice
 
 import numpy as np
 from tqdm import tqdm
 
-from machinery import dataset, meta, shards
+from machinery import bpe, dataset, meta, shards
 from machinery.documents import HubSource, LocalSource
 from machinery.errors import UserError
 from machinery.fileio import atomic_write, remove_stale_temps
-from machinery.tokenizer import GPT2_EOT, gpt2_encoding
+from machinery.tokenizer import GPT2_EOT
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 VAL_PERCENT = 10  # validation's share of a corpus under two shards (prepare.py's --val_fraction for a text file)
@@ -66,13 +78,14 @@ def check_name(name):
 # ---------------------------------------------------------------------------- tokenization
 
 
-def encode_chunk(docs):
-    """[eot] + encode_ordinary(doc) for each document: (all tokens as uint16, tokens per document)."""
-    enc = gpt2_encoding()
+def encode_chunk(docs, tok):
+    """[eot] + encode_ordinary(doc) for each document, in the tiktoken encoding of tok (a GPT2Tokenizer or
+    BPETokenizer): (all tokens as uint16, tokens per document)."""
+    enc = tok.enc
     tokens, lengths = [], []
     for doc in docs:
         ids = enc.encode_ordinary(doc)
-        tokens.append(GPT2_EOT)
+        tokens.append(enc.eot_token)
         tokens.extend(ids)
         lengths.append(len(ids) + 1)
     return np.array(tokens, dtype=np.uint16), np.array(lengths, dtype=np.int64)
@@ -90,21 +103,36 @@ def _chunks(documents):
         yield chunk
 
 
-def encoded_chunks(documents, num_proc):
-    """encode_chunk over the documents' chunks, results in input order, on num_proc processes.
+_worker_tokenizer = None  # a worker process's tokenizer (_start_worker)
+
+
+def _start_worker(tokenizer_meta):
+    """Build the worker's tokenizer once, from metadata that pickles cheaply (a learned BPE's ranks as text)."""
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer_meta.make_tokenizer()
+
+
+def _encode_in_worker(docs):
+    return encode_chunk(docs, _worker_tokenizer)
+
+
+def encoded_chunks(documents, num_proc, tokenizer_meta):
+    """encode_chunk over the documents' chunks, results in input order, on num_proc processes, in the tokenizer
+    tokenizer_meta (a DatasetMeta) describes.
     Pool.imap would read its whole input ahead of the workers (its feeder thread has no bound), so we
     keep at most 2 * num_proc chunks in flight ourselves: memory stays flat however large the corpus."""
+    # built here, before the workers fork: they inherit GPT-2's encoding instead of each building it
+    tok = tokenizer_meta.make_tokenizer()
     if num_proc <= 1:
         for chunk in _chunks(documents):
-            yield encode_chunk(chunk)
+            yield encode_chunk(chunk, tok)
         return
     import multiprocessing
 
-    gpt2_encoding()  # built once here, before the workers fork: they inherit it instead of each building it
-    with multiprocessing.Pool(num_proc) as pool:
+    with multiprocessing.Pool(num_proc, initializer=_start_worker, initargs=(tokenizer_meta,)) as pool:
         pending = deque()
         for chunk in _chunks(documents):
-            pending.append(pool.apply_async(encode_chunk, (chunk,)))
+            pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
             if len(pending) >= 2 * num_proc:
                 yield pending.popleft().get()
         while pending:
@@ -124,9 +152,10 @@ def _write_json(path, obj):
         json.dump(obj, f, indent=1)
 
 
-def load_progress(out_dir, name, description, shard_tokens):
-    """The progress of an earlier run into out_dir (a fresh one if none), its finished shards checked."""
-    fresh = {"name": name, "source": description, "tokenizer": "gpt2", "shard_tokens": shard_tokens,
+def load_progress(out_dir, name, description, shard_tokens, tokenizer):
+    """The progress of an earlier run into out_dir (a fresh one if none), its finished shards checked.
+    tokenizer: what the run's tokenizer is (progress_tokenizer), checked against the earlier run's."""
+    fresh = {"name": name, "source": description, **tokenizer, "shard_tokens": shard_tokens,
              "shards": [], "complete": False}
     path = os.path.join(out_dir, PROGRESS_FILE)
     if not os.path.isdir(out_dir):
@@ -143,7 +172,7 @@ def load_progress(out_dir, name, description, shard_tokens):
             state = json.load(f)
     except (OSError, ValueError):
         raise UserError(f"{path} is damaged; remove {out_dir} and prepare again") from None
-    for key in ("name", "source", "tokenizer", "shard_tokens"):
+    for key in ("name", "source", *tokenizer, "shard_tokens"):
         if state.get(key) != fresh[key]:
             raise UserError(f"{out_dir} was prepared with {key} {state.get(key)!r}, not {fresh[key]!r}; "
                             f"use the same options to continue, or remove {out_dir}")
@@ -155,12 +184,22 @@ def load_progress(out_dir, name, description, shard_tokens):
     return state
 
 
-def dataset_meta(state):
-    """The DatasetMeta of a finished preparation."""
+def progress_tokenizer(tokenizer_meta, held_out):
+    """What the progress file records of the tokenizer: its kind; for a learned BPE also its ranks' sha256 and the
+    documents held out from learning it (validation's)."""
+    if tokenizer_meta.tokenizer != "bpe":
+        return {"tokenizer": tokenizer_meta.tokenizer}
+    return {"tokenizer": "bpe", "tokenizer_sha256": hashlib.sha256(tokenizer_meta.ranks.encode("ascii")).hexdigest(),
+            "validation_documents": held_out}
+
+
+def dataset_meta(state, tokenizer_meta):
+    """The DatasetMeta of a finished preparation in the tokenizer tokenizer_meta describes."""
     records = state["shards"]
-    return meta.DatasetMeta.gpt2(val_tokens=records[0]["tokens"], train_tokens=sum(r["tokens"] for r in records[1:]),
-                                 max_token_id=max(r["max_token_id"] for r in records), documents=state["documents"],
-                                 shards=len(records), source=state["source"])
+    return replace(tokenizer_meta, val_tokens=records[0]["tokens"],
+                   train_tokens=sum(r["tokens"] for r in records[1:]),
+                   max_token_id=max(r["max_token_id"] for r in records), documents=state["documents"],
+                   shards=len(records), source=state["source"])
 
 
 def small_corpus_val_tokens(total, description):
@@ -262,11 +301,12 @@ class ShardWriter:
     def finish(self, description):
         """Write what the buffer holds at the end of the stream.
 
-        As it is where the corpus fills two shards or more (llm.c's layout), else with validation cut to
-        small_corpus_val_tokens (see the module doc)."""
+        As it is where the corpus fills two shards or more (llm.c's layout) or validation is a learned BPE's
+        held-out documents (in their shard already), else with validation cut to small_corpus_val_tokens (see the
+        module doc)."""
         records, shard_tokens = self.state["shards"], len(self.buf)
         total = sum(r["tokens"] for r in records) + self.fill
-        if total < 2 * shard_tokens:
+        if total < 2 * shard_tokens and not self.state.get("validation_documents"):
             val = small_corpus_val_tokens(total, description)
             print(small_corpus_note(total, val, shard_tokens))
             if not records:  # all of it in the buffer: nothing written yet
@@ -307,27 +347,83 @@ class ShardWriter:
         _write_json(os.path.join(self.out_dir, PROGRESS_FILE), self.state)
 
 
-def prepare_corpus(source, out_dir, name, shard_tokens=DEFAULT_SHARD_TOKENS, num_proc=None, progress=True):
-    """Tokenize source's documents into GPT-2 shards in out_dir, continuing an interrupted run; returns the
-    meta.json it writes."""
-    check_name(name)
+def held_out_documents(source, shard_tokens):
+    """How many of the first documents are validation's where the tokenizer is learned on the others: those
+    within VAL_PERCENT % of the corpus's characters and shard_tokens characters, but at least one. The corpus is
+    read only until that share is known; a one-line error unless a document is left for train."""
+    total = 0
+    for doc in source.documents():
+        total += len(doc)
+        if total * VAL_PERCENT // 100 >= shard_tokens:
+            break
+    budget, count, chars = min(total * VAL_PERCENT // 100, shard_tokens), 0, 0
+    for doc in source.documents():
+        if count and chars + len(doc) > budget:
+            print(f"validation: the first {count:,} document{'s' * (count > 1)} ({chars:,} characters), held out "
+                  f"from learning the tokenizer")
+            return count
+        count, chars = count + 1, chars + len(doc)
+    if not chars:
+        raise UserError(f"{source.description} holds no text (no documents, or empty ones); give documents to "
+                        f"learn the tokenizer on")
+    raise UserError(f"{source.description} has one document, too few to learn the tokenizer on some and validate "
+                    f"on others (validation takes the first documents, at least one); add documents, or give it as "
+                    f"a text file (split by characters)")
+
+
+def learn_tokenizer(source, held_out, vocab_size, tokenizer_chars=None):
+    """The DatasetMeta of a BPE of vocab_size tokens learned on the documents after the first held_out (the
+    training split's), streamed: their first tokenizer_chars characters, where given."""
+    what = f"the documents of {source.description} after validation's {held_out:,}"
+    if tokenizer_chars:
+        what += f" (their first {tokenizer_chars:,} characters)"
+    tok = bpe.learn_on(bpe.pieces(source.documents(skip=held_out), tokenizer_chars), vocab_size, what)
+    return meta.DatasetMeta.of(tok)
+
+
+def write_validation(writer, source, held_out, num_proc, tokenizer_meta):
+    """The first held_out documents (those the tokenizer was not learned on) as the validation shard, whole."""
+    chunks = encoded_chunks(islice(source.documents(), held_out), num_proc, tokenizer_meta)
+    with closing(chunks):
+        writer.write(np.concatenate([tokens for tokens, _ in chunks]), (held_out, 0))
+
+
+def check_options(shard_tokens, num_proc, vocab_size):
+    """One-line errors for options out of range, before the corpus is read."""
     if shard_tokens < 1 or shard_tokens >= 1 << 31:
         raise UserError(f"--shard_tokens must be between 1 and 2**31 - 1, got {shard_tokens}")
     if num_proc is not None and num_proc < 1:
         raise UserError(f"--num_proc must be at least 1, got {num_proc}")
+    if vocab_size is not None:
+        bpe.check_vocab_size(vocab_size)
+
+
+def prepare_corpus(source, out_dir, name, shard_tokens=DEFAULT_SHARD_TOKENS, num_proc=None, progress=True,
+                   vocab_size=None, tokenizer_chars=None):
+    """Tokenize source's documents into shards in out_dir, continuing an interrupted run; returns the meta.json it
+    writes. GPT-2 BPE, or with vocab_size a BPE of that many tokens learned first (on tokenizer_chars
+    characters of the training documents, where given)."""
+    check_name(name)
+    check_options(shard_tokens, num_proc, vocab_size)
     num_proc = num_proc or os.cpu_count() or 1
-    state = load_progress(out_dir, name, source.description, shard_tokens)
+    held_out = held_out_documents(source, shard_tokens) if vocab_size else None
+    tokenizer_meta = (learn_tokenizer(source, held_out, vocab_size, tokenizer_chars) if vocab_size
+                      else meta.DatasetMeta.gpt2())
+    state = load_progress(out_dir, name, source.description, shard_tokens,
+                          progress_tokenizer(tokenizer_meta, held_out))
     if state["complete"]:
         print(f"{out_dir}: already prepared ({len(state['shards'])} shards)")
-        return meta.read(out_dir) or dataset_meta(state)
+        return meta.read(out_dir) or dataset_meta(state, tokenizer_meta)
     if os.path.isdir(out_dir):
         remove_stale_temps(out_dir)  # what an interrupted run was writing
+    writer = ShardWriter(out_dir, state)
+    if held_out and not state["shards"]:
+        write_validation(writer, source, held_out, num_proc, tokenizer_meta)
     done = state["shards"][-1] if state["shards"] else {"end_doc": 0, "end_offset": 0}
     doc_base, drop = done["end_doc"], done["end_offset"]
-    writer = ShardWriter(out_dir, state)
     resumed = sum(r["tokens"] for r in state["shards"])
     # closing(): an error stops the worker pool at once, not whenever the generator is collected
-    chunks = encoded_chunks(source.documents(skip=doc_base), num_proc)
+    chunks = encoded_chunks(source.documents(skip=doc_base), num_proc, tokenizer_meta)
     with tqdm(unit="tok", unit_scale=True, desc=f"tokenizing {name}", disable=not progress,
               initial=resumed) as bar, closing(chunks):
         for tokens, lengths in chunks:
@@ -336,7 +432,7 @@ def prepare_corpus(source, out_dir, name, shard_tokens=DEFAULT_SHARD_TOKENS, num
             doc_base, drop = doc_base + len(lengths), 0
     writer.finish(source.description)
     state["complete"], state["documents"] = True, doc_base
-    data_meta = meta.write(dataset_meta(state), out_dir)
+    data_meta = meta.write(dataset_meta(state, tokenizer_meta), out_dir)
     _write_json(os.path.join(out_dir, PROGRESS_FILE), state)
     print(f"{out_dir}: {data_meta.shards} shards, train {data_meta.train_tokens:,} tokens, "
           f"val {data_meta.val_tokens:,} tokens, {data_meta.documents:,} documents")
@@ -344,8 +440,9 @@ def prepare_corpus(source, out_dir, name, shard_tokens=DEFAULT_SHARD_TOKENS, num
 
 
 def prepare_from_cli(corpus, data_dir, name=None, input_path=None, subset=None, num_proc=None,
-                     shard_tokens=DEFAULT_SHARD_TOKENS):
-    """prepare.py's openwebtext / fineweb_edu / `text --input DIR` corpora, into the dataset data_dir/name."""
+                     shard_tokens=DEFAULT_SHARD_TOKENS, vocab_size=None, tokenizer_chars=None):
+    """prepare.py's openwebtext / fineweb_edu / `text --input DIR` corpora, into the dataset data_dir/name (`text`:
+    with vocab_size, in a BPE learned on it)."""
     if corpus == "text":
         if not input_path or not name:
             raise UserError("`text` with a directory needs --input DIR and --name NAME")
@@ -357,4 +454,5 @@ def prepare_from_cli(corpus, data_dir, name=None, input_path=None, subset=None, 
         source = LocalSource(input_path) if input_path else HubSource(repo_id, subset or default_subset)
     else:
         raise UserError(f"unknown corpus {corpus!r}; use openwebtext, fineweb_edu or text")
-    return prepare_corpus(source, dataset.resolve(data_dir, name), name, shard_tokens, num_proc)
+    return prepare_corpus(source, dataset.resolve(data_dir, name), name, shard_tokens, num_proc,
+                          vocab_size=vocab_size, tokenizer_chars=tokenizer_chars)

@@ -1,9 +1,13 @@
 """A BPE learned on the dataset (prepare.py --tokenizer=bpe, machinery/bpe.py): exact round trips, the learner's
-own encoder as the reference, the files beside meta.json, bad input, and a checkpoint that carries it."""
+own encoder as the reference, the files beside meta.json, bad input, and a checkpoint that carries it; a directory
+of documents (corpus.py's shards) learned on its training documents alone, trained from, and continued after a
+stop."""
 
+import base64
 import hashlib
 import json
 import random
+import re
 import shutil
 
 import numpy as np
@@ -12,8 +16,8 @@ import torch
 
 import prepare
 import sample
-from conftest import assert_one_error_line, make_corpus, run_in_process
-from machinery import bpe, chat, checkpoint, meta
+from conftest import assert_one_error_line, make_corpus, run_in_process, tiny_train_args, train
+from machinery import bpe, chat, checkpoint, corpus as shard_corpus, documents, meta, shards
 from machinery.tokenizer import EOT_TEXT, GPT2_PATTERN, parse_ranks
 from model import GPT, GPTConfig
 from train import TrainConfig
@@ -103,10 +107,19 @@ def test_a_chat_conversation_uses_the_ids_reserved_in_the_learned_vocabulary(lea
     (65537, "hello world " * 50, "outside 263..65536"),
     (1000, "hello world " * 50, "too small to learn 737 merges: it gave only"),
     (300, "", "is empty"),
+    (262, "DIR", "--vocab_size 262 is outside 263..65536"),
+    (1000, "DIR", "too small to learn 737 merges: it gave only"),
+    (300, "DIR of empty documents", "holds no text"),
 ])
 def test_bad_vocabularies_and_corpora_exit_2_with_one_line_and_write_nothing(tmp_path, vocab, text, says):
     src = tmp_path / "c.txt"
-    src.write_text(text, encoding="utf-8")
+    if text.startswith("DIR"):  # a directory of documents: the first validation's, the others train's
+        src = tmp_path / "docs"
+        src.mkdir()
+        for i in range(3):
+            (src / f"{i}.txt").write_text("" if "empty" in text else "hello world " * 50, encoding="utf-8")
+    else:
+        src.write_text(text, encoding="utf-8")
     proc = run_in_process(prepare.main, "text", "--input", src, "--name", "x", "--tokenizer", "bpe", "--vocab_size",
                           vocab, "--data_dir", tmp_path / "data")
     assert_one_error_line(proc, says)
@@ -144,8 +157,10 @@ def test_a_checkpoint_samples_with_its_dataset_directory_deleted(learned, tmp_pa
 
 
 @pytest.mark.parametrize("args, says", [
-    (["text", "--input", "DIR", "--name", "x", "--tokenizer", "bpe", "--vocab_size", "300"], "one text file"),
     (["chat", "--input", "DIR", "--tokenizer", "bpe"], "--tokenizer bpe is for `text` files"),
+    (["fineweb_edu", "--input", "DIR", "--tokenizer", "bpe", "--vocab_size", "300"], "fineweb_edu is prepared with"),
+    (["text", "--input", "DIR", "--name", "x", "--vocab_size", "300"], "--vocab_size goes with --tokenizer bpe"),
+    (["text", "--input", "DIR", "--name", "x", "--tokenizer", "char"], "not by character"),
     (["text", "--input", "FILE", "--name", "x", "--vocab_size", "300"], "--vocab_size goes with --tokenizer bpe"),
     (["text", "--input", "FILE", "--name", "x", "--tokenizer", "bpe"], "--vocab_size goes with --tokenizer bpe"),
 ])
@@ -157,3 +172,91 @@ def test_what_a_learned_bpe_is_not_for_yet_is_refused_in_one_line(tmp_path, args
     proc = run_in_process(prepare.main, *args, "--data_dir", tmp_path / "data")
     assert_one_error_line(proc, says)
     assert not (tmp_path / "data").exists()
+
+
+# ---------------------------------------------------------------------------- a directory of documents
+
+SHARD = 2000  # tokens a train shard, so that train has several
+GREEK = "αβγ δεζ ηθι κλμ νξο " * 60  # only in the first document, validation's
+
+
+def write_documents(path):
+    """.txt documents: the first (validation's) Greek, the others corpus()'s paragraphs; returns their texts."""
+    paragraphs = corpus().split("\n\n")
+    texts = [GREEK] + ["\n\n".join(paragraphs[i:i + 12]) for i in range(0, len(paragraphs), 12)]
+    path.mkdir()
+    for i, text in enumerate(texts):
+        (path / f"doc_{i:02d}.txt").write_text(text, encoding="utf-8")
+    return texts
+
+
+@pytest.fixture(scope="module")
+def learned_docs(tmp_path_factory):
+    """(dataset directory, the documents' texts): `prepare.py text --input DIR --tokenizer bpe` on 2 processes."""
+    root = tmp_path_factory.mktemp("bpe_docs")
+    texts = write_documents(root / "docs")
+    run_in_process(prepare.main, "text", "--input", root / "docs", "--name", "docs", "--tokenizer", "bpe",
+                   "--vocab_size", VOCAB, "--shard_tokens", SHARD, "--num_proc", 2, "--data_dir", root / "data",
+                   check=True)
+    return root / "data" / "docs", texts
+
+
+def test_the_shards_decode_to_the_documents_with_the_tokenizer_file_read_by_tiktoken(learned_docs):
+    directory, texts = learned_docs
+    import tiktoken
+
+    saved = json.loads((directory / "meta.json").read_text())
+    lines = (directory / saved["tokenizer_file"]).read_bytes().splitlines()  # tiktoken's format, read by hand
+    enc = tiktoken.Encoding("mine", pat_str=GPT2_PATTERN, special_tokens=saved["special_tokens"],
+                            mergeable_ranks={base64.b64decode(t): int(r) for t, r in (line.split() for line in lines)})
+    found = shards.list_shards(str(directory))
+    assert len(found["val"]) == 1 and len(found["train"]) >= 3 and saved["shards"] == 1 + len(found["train"])
+    val = shards.open_tokens(found["val"][0]).tolist()
+    train_ids = np.concatenate([shards.open_tokens(p) for p in found["train"]]).tolist()
+    assert enc.decode(val) == EOT_TEXT + GREEK  # validation: the first document, whole, and nothing else
+    assert enc.decode(train_ids) == "".join(EOT_TEXT + text for text in texts[1:])
+    assert (saved["val_tokens"], saved["train_tokens"], saved["documents"]) == (len(val), len(train_ids), len(texts))
+    assert saved["tokenizer"] == "bpe" and saved["vocab_size"] == VOCAB
+
+
+def test_the_tokenizer_is_learned_on_the_training_documents_alone(learned_docs):
+    directory, texts = learned_docs
+    ranks = meta.read(str(directory)).make_tokenizer().ranks
+    assert ranks == dict(bpe.train(texts[1:], VOCAB - len(bpe.SPECIALS)).get_mergeable_ranks())
+    assert not any("α".encode() in token for token in ranks)  # validation's Greek was never seen...
+    everything = dict(bpe.train(texts, VOCAB - len(bpe.SPECIALS)).get_mergeable_ranks())
+    assert any("α".encode() in token for token in everything)  # ... where it would have been learned
+
+
+def test_train_py_trains_on_the_documents_and_sample_py_samples_in_their_tokenizer(learned_docs, tmp_path):
+    directory, _ = learned_docs
+    out = tmp_path / "out"
+    proc = train(*tiny_train_args(directory.parent, out, dataset="docs", n_layer=1, block_size=16, batch_size=2,
+                                  max_iters=2, eval_interval=2, eval_iters=1, lr_decay_iters=2, warmup_iters=1))
+    assert [step for step, _ in re.findall(r"^step (\d+): train loss (\S+)", proc.stdout, re.M)] == ["0", "2"]
+    proc = run_in_process(sample.main, f"--out_dir={out}", "--device=cpu", "--dtype=float32", "--start=the king",
+                          "--max_new_tokens=4", "--num_samples=1", "--seed=1", check=True)
+    assert proc.stdout.startswith("the king")
+
+
+def test_a_stopped_preparation_of_documents_continues_to_the_same_bytes_on_one_process(learned_docs, tmp_path,
+                                                                                        monkeypatch):
+    directory, _ = learned_docs
+    out = tmp_path / "docs"
+    real, names = shard_corpus.shards.write_shard, []
+
+    def write_two_then_stop(path, tokens):
+        if len(names) == 2:
+            raise KeyboardInterrupt  # the validation shard and a train shard written
+        names.append(path)
+        real(path, tokens)
+
+    monkeypatch.setattr(shard_corpus.shards, "write_shard", write_two_then_stop)
+    source = documents.LocalSource(directory.parent.parent / "docs")
+    with pytest.raises(KeyboardInterrupt):
+        shard_corpus.prepare_corpus(source, out, "docs", SHARD, 1, progress=False, vocab_size=VOCAB)
+    monkeypatch.undo()
+    assert not (out / "meta.json").exists() and len(names) == 2
+    shard_corpus.prepare_corpus(source, out, "docs", SHARD, 1, progress=False, vocab_size=VOCAB)
+    for name in sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".tiktoken")):
+        assert (out / name).read_bytes() == (directory / name).read_bytes(), name
