@@ -22,6 +22,7 @@ Ctrl-C or SIGTERM ends the generations in progress (their streams end with finis
 """
 
 import os
+import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,6 +31,12 @@ from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 
 INSTALL = "pip install fastapi==0.165.0 uvicorn==0.54.0"
+# Bytes of each connection's kernel send buffer, fixed (Linux would grow it to MBs, tcp_wmem, and a stream nobody reads
+# would run on for minutes first, holding its slot), and of asyncio's write buffer before a stream waits. A client that
+# stops reading then blocks its stream after some tens of KB (~50 KB in the kernel, which counts its own overhead, and
+# 16 KB in asyncio); the stream's events wait in the engine, and its generation pauses (openai_api.STREAM_BACKLOG) and
+# gives its slot to a waiting request (BENCHMARKS.md, issue 41). 16 KiB is ~90 chunks ahead of a reader that keeps up.
+SEND_BUFFER = 16 * 1024
 
 
 @dataclass
@@ -82,6 +89,20 @@ def build(cfg):
     return server, loaded
 
 
+def bounded_http():
+    """uvicorn's HTTP protocol, each connection's unsent bytes bounded: a fixed kernel send buffer of SEND_BUFFER
+    bytes (a fixed size also turns Linux's growing of it off) and asyncio's write buffer paused past as many."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class BoundedHTTP(AutoHTTPProtocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+            transport.set_write_buffer_limits(high=SEND_BUFFER)
+
+    return BoundedHTTP
+
+
 def import_uvicorn():
     try:
         import fastapi  # noqa: F401
@@ -112,7 +133,8 @@ def main(argv=None):
             # KeyboardInterrupt traceback); the server exits 0 instead
             self._captured_signals.clear()
 
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, http=bounded_http(), log_level="warning",
+                            timeout_graceful_shutdown=10)
     http = Uvicorn(config)
     server.engine.start()
     try:

@@ -83,7 +83,9 @@ CHAT_UNSUPPORTED = {"tools": ([],), "tool_choice": ("none",), "functions": ([],)
 # ... and those that change nothing here (who the end user is, a caching hint, tags): checked, then unused
 CHAT_NO_OPS = {"user": str, "safety_identifier": str, "prompt_cache_key": str, "metadata": dict,
                "parallel_tool_calls": bool}
-STREAM_BACKLOG = 64  # events a stream may leave unread before its generation pauses (Generation.max_backlog)
+# events a stream may leave unread before its generation pauses (Generation.max_backlog): few, as a reader that keeps
+# up takes each step's events at once, and the connection's own buffers (serve.py's SEND_BUFFER) hold its next chunks
+STREAM_BACKLOG = 16
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a 64-bit signed integer, as OpenAI's and vLLM's seed
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
 

@@ -2,7 +2,14 @@
 without, cached_tokens the tokens it really saved, a bounded LRU budget, salts kept apart, finished turns cached
 for the next, and paused streams that give their slots up and resume as if they had been read at once."""
 
+import collections
+import concurrent.futures
+import contextlib
+import json
 import random
+import re
+import socket
+import time
 
 import pytest
 import torch
@@ -165,7 +172,7 @@ def test_a_paused_row_parks_in_the_cache_and_comes_back_exactly():
 
 
 def test_with_16_unread_streams_of_8_choices_a_new_request_completes_and_the_streams_resume_as_if_read(model):
-    """16 streams of n=8 that nobody reads (max_backlog 2, as serve.py's 64) on an engine of 4 slots (serve.py has
+    """16 streams of n=8 that nobody reads (max_backlog 2, as serve.py's 16) on an engine of 4 slots (serve.py has
     32 for 128 such rows: the same shortage; without parking the new request would wait stall_timeout, 60 s):
     each runs until paused, parks, and gives its slot on."""
     g = torch.Generator().manual_seed(0)
@@ -228,6 +235,71 @@ def test_the_api_reports_cached_tokens_keeps_salts_apart_and_serves_the_cache_st
         metrics = dict(line.split() for line in httpx.get(f"{server.url}/metrics").text.splitlines())
         assert int(metrics["prefix_cache_hits"]) == 3 and int(metrics["prefix_cache_tokens_saved"]) == 32 * 2 + \
             chat_again["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_through_sockets_16_unread_streams_of_8_choices_let_a_new_request_complete_and_resume_as_if_read(
+        tmp_path_factory, monkeypatch):
+    """serve.py's connections (serve.bounded_http) hold a bounded number of bytes that their client has not read (not
+    the MBs that Linux would let a kernel send buffer grow to): 16 clients each send a streamed request of n=8 and
+    read nothing, their choices pause and park, and a new request completes within 5 s; read at last, each stream
+    is what the request gives read at once (texts and log-probabilities). Quick: the clients' kernel receive buffers
+    are small, logprobs make the chunks large, and a stream pauses 2 events behind (as in the engine's test), so that
+    few tokens fill them."""
+    import functools
+
+    import httpx
+    import uvicorn
+
+    import serve
+    from machinery import openai_api
+    from test_serve import ckpt_dir, serving
+
+    monkeypatch.setattr(openai_api, "STREAM_BACKLOG", 2)
+    monkeypatch.setattr(uvicorn, "Config", functools.partial(uvicorn.Config, http=serve.bounded_http()))
+    body = dict(prompt="KING", n=8, max_tokens=40, seed=7, logprobs=5)
+    with serving(ckpt_dir.__wrapped__(tmp_path_factory)) as server, contextlib.ExitStack() as clients:
+        unread = [clients.enter_context(open_stream(server.url, body)) for _ in range(16)]
+        deadline = time.time() + 10
+        while sum(server.engine.load) < 16 * 8 and time.time() < deadline:  # every choice submitted
+            time.sleep(0.01)
+        new = httpx.post(f"{server.url}/v1/completions", json=dict(prompt="ROMEO:", max_tokens=5), timeout=5)
+        assert new.status_code == 200 and new.json()["choices"][0]["finish_reason"] == "length"
+        assert server.engine.load == (16 * 8, 0)  # theirs have not ended: paused while their bytes wait unread
+        expected = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()["choices"]
+        with concurrent.futures.ThreadPoolExecutor(len(unread)) as readers:  # (all at once: they decode together)
+            streams = list(readers.map(read_stream, unread))
+        assert streams == [[(c["text"], c["logprobs"]) for c in expected]] * len(unread)
+
+
+@contextlib.contextmanager
+def open_stream(url, body):
+    """A socket that has sent body as a streamed completions request, and reads nothing yet; its kernel receive
+    buffer small (4 KiB: the TCP window it offers)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting)
+    sock.settimeout(30)
+    with sock:
+        sock.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        data = json.dumps(body | {"stream": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        yield sock
+
+
+def read_stream(sock):
+    """Read a streamed response to its [DONE]; each choice's (text, logprobs) as a whole response gives them."""
+    raw = b""
+    while b"data: [DONE]" not in raw[-100:]:
+        data = sock.recv(1 << 16)  # (the socket's timeout bounds each wait)
+        assert data, f"the stream ended before [DONE]: {raw[-200:]!r}"
+        raw += data
+    choices = collections.defaultdict(lambda: ["", collections.defaultdict(list)])
+    for event in re.findall(rb"^data: (\{.*\})$", raw, re.MULTILINE):  # (each event is a chunk of its own)
+        for c in json.loads(event)["choices"]:
+            choices[c["index"]][0] += c["text"]
+            for key, values in (c["logprobs"] or {}).items():
+                choices[c["index"]][1][key] += values
+    return [(text, dict(logprobs)) for _, (text, logprobs) in sorted(choices.items())]
 
 
 def test_sample_py_chat_encodes_only_each_turns_new_message_and_replies_as_without_the_cache():
