@@ -245,17 +245,12 @@ def test_through_sockets_16_unread_streams_of_8_choices_let_a_new_request_comple
     is what the request gives read at once (texts and log-probabilities). Quick: the clients' kernel receive buffers
     are small, logprobs make the chunks large, and a stream pauses 2 events behind (as in the engine's test), so that
     few tokens fill them."""
-    import functools
-
     import httpx
-    import uvicorn
 
-    import serve
     from machinery import openai_api
     from test_serve import ckpt_dir, serving
 
     monkeypatch.setattr(openai_api, "STREAM_BACKLOG", 2)
-    monkeypatch.setattr(uvicorn, "Config", functools.partial(uvicorn.Config, http=serve.bounded_http()))
     body = dict(prompt="KING", n=8, max_tokens=40, seed=7, logprobs=5)
     with serving(ckpt_dir.__wrapped__(tmp_path_factory)) as server, contextlib.ExitStack() as clients:
         unread = [clients.enter_context(open_stream(server.url, body)) for _ in range(16)]

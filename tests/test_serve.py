@@ -75,24 +75,21 @@ def bpe_ckpt_dir(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(ckpt_dir, *settings, send_buffer=None, device="cpu"):
-    """serve.py's server (its build() and app) on 127.0.0.1 at a free port, in a thread of this process.
-    send_buffer: the bytes of each connection's kernel send buffer (set on the listening socket, which its
-    connections inherit), so that a client that does not read blocks the server's writes sooner."""
+def serving(ckpt_dir, *settings, device="cpu"):
+    """serve.py's server (its build() and app, and its connections' bounded buffers: serve.bounded_http) on
+    127.0.0.1 at a free port, in a thread of this process."""
     import socket
 
     port = free_port()
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if send_buffer is not None:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     listener.bind(("127.0.0.1", port))
     cfg = configurator.parse(serve.ServeConfig, [f"--out_dir={ckpt_dir}", f"--device={device}", "--dtype=float32",
                                                  f"--port={port}", *settings])
     cfg.validate()
     server, _ = serve.build(cfg)
     http = uvicorn.Server(uvicorn.Config(openai_api.create_app(server), host="127.0.0.1", port=port,
-                                         log_level="warning"))
+                                         http=serve.bounded_http(), log_level="warning"))
     server.engine.start()
     thread = threading.Thread(target=http.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
@@ -548,7 +545,7 @@ def test_a_stream_whose_client_stops_reading_pauses_then_ends(ckpt_dir):
     and, after --stream_timeout seconds unread, is ended and frees its row; the others go on meanwhile."""
     import socket
 
-    with serving(ckpt_dir, "--max_tokens=1000000", "--stream_timeout=1", send_buffer=4096) as small:
+    with serving(ckpt_dir, "--max_tokens=1000000", "--stream_timeout=1") as small:
         reader = socket.socket()
         reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: a small TCP window)
         reader.connect(("127.0.0.1", int(small.url.rsplit(":", 1)[1])))
@@ -687,9 +684,10 @@ def test_a_chat_model_answers_in_its_format_and_stops_at_its_end_of_turn_streame
 # ---------------------------------------------------------------------- the web page, in a real browser
 
 
-@pytest.fixture
-def browser(tmp_path):
-    """Debian's Chromium, headless, driven by its ChromeDriver (.ci/run installs both where missing)."""
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """Debian's Chromium, headless, driven by its ChromeDriver (.ci/run installs both where missing); one for the
+    module's tests (its start is a second), each of which opens its page anew."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -697,7 +695,7 @@ def browser(tmp_path):
     options.binary_location = "/usr/bin/chromium"
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1100,800", f"--user-data-dir={tmp_path / 'profile'}"):
+                 "--window-size=1100,800", f"--user-data-dir={tmp_path_factory.mktemp('profile')}"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
     driver.set_page_load_timeout(30)
