@@ -3,7 +3,7 @@ The generation engine: every decoding of sample.py and serve.py goes through it.
 
 A Request is a prompt (token ids) and its settings: max_tokens, temperature, top_k, top_p, a seed for its
 own torch.Generator, stop texts and stop tokens, logprobs, echo. The engine keeps a batch of running
-requests (rows), each in a row of its KV cache (a slot, held from its first token to its last). Every step
+requests (rows), each in a row of its KV cache (a slot; see below for when it gives it up). Every step
 runs the model once for all rows that have a token to feed, one new token per row, then encodes a chunk of
 a waiting prompt (chunked prefill: a long prompt delays the running rows by one chunk per step, not by its
 whole length). A Generation is a request's handle: its tokens arrive there as Token events, as they are
@@ -20,7 +20,9 @@ request that begins with them (the next turn of a conversation, a shared system 
 a request) copies them into its row instead of encoding them: since a chunk is encoded alone, what it copies
 is what it would compute, and its tokens are the same. When idle, the engine encodes finished generations
 (prompt and reply) in chunks into the cache, for the next turn; and a paused generation (its reader does not
-read) gives its slot to a waiting request, its row kept in the cache, and resumes where it was.
+read) gives its slot to a waiting request, its row kept in the cache, and resumes where it was; so does, while
+requests wait and every slot is busy, the row that has run longest since it joined (QUANTUM tokens at least):
+rows that never end share the slots in turn instead of keeping a new request waiting.
 
 A request that fails (an exception in its forward pass or its sampling) ends alone, with finish_reason
 "error": the rows of a failed step are run again one by one, and only those that fail alone end. An
@@ -53,6 +55,9 @@ from model import attention_backends, sample_next
 
 FINISHED = ("stop", "length", "abort", "error")  # why a generation ended: a stop text or token, max_tokens,
 # cancelled, failed
+QUANTUM = 16  # tokens a row samples, at least, each time it (re)joins the batch before a waiting request may take its
+# slot (Engine._preempt): a new request waits a few quanta, not until rows that never end (clients that read slowly)
+# have ended, and parking a row (a copy of its keys and values) stays a small part of the work it then does
 
 
 @dataclass
@@ -110,7 +115,9 @@ class Generation:
         self.ids = list(request.prompt)  # every token so far: the prompt, then each one sampled
         self.todo = list(request.prompt)  # what the model has not seen yet: the prompt, then the token sampled last
         self.slot = None  # its row of the engine's KV cache, while it runs
-        self.parked = False  # paused, its row's keys and values kept in the prefix cache, its slot given up
+        self.parked = False  # its row's keys and values kept in the prefix cache, its slot given up (paused, or
+        # preempted: Engine._preempt)
+        self.run_tokens = 0  # tokens sampled since it last (re)joined the batch (Engine._preempt)
         self.length = 0  # positions of that row filled
         self.echoed = 0  # prompt tokens echoed so far (echo)
         self.generator = None
@@ -337,7 +344,7 @@ class Engine:
     step, in shapes that never change (machinery/decode.py; None: on CUDA, where it runs as a CUDA graph);
     compile: torch.compile the fixed step (static shapes: one graph), else the model in place (dynamic shapes);
     prefix_cache_mb: the prefix cache's budget (machinery/prefix_cache.py; 0: none), which also keeps the rows of
-    paused generations while waiting requests take their slots."""
+    paused generations, and of rows that have run a quantum, while waiting requests take their slots."""
 
     def __init__(self, model, tokenizer, device="cpu", max_batch=32, max_waiting=256, use_cache=True,
                  prefill_chunk=64, stall_timeout=60.0, fixed=None, compile=False, prefix_cache_mb=0):
@@ -487,8 +494,8 @@ class Engine:
             for g in self.rows:
                 if g.done:
                     self.slots.free.append(g.slot)
-            for g in self.parked:
-                if g.done:
+            for g in self.parked + list(self.waiting):
+                if g.done and g.parked:  # (a parked row back in line may end there: cancelled, stalled)
                     self.cache.drop(g)
             self.rows = [g for g in self.rows if not g.done]
             self.parked = [g for g in self.parked if not g.done]
@@ -506,21 +513,47 @@ class Engine:
 
     def _park(self):
         """Paused rows give their slots to waiting requests, their keys and values kept in the prefix cache (while
-        it has room); parked rows whose readers have read again wait first in line for a slot."""
-        for g in [g for g in self.rows if g.paused] if self.cache is not None else []:
-            if len(self.waiting) <= len(self.slots.free) or not self.cache.park(g, g.slot, g.length):
+        it has room); parked rows whose readers have read again wait first in line for a slot; then the rows that
+        have run longest give theirs to the requests that still wait (_preempt)."""
+        if self.cache is None:
+            return
+        for g in [g for g in self.rows if g.paused]:
+            if len(self.waiting) <= len(self.slots.free) or not self._park_row(g):
                 break
-            self.rows.remove(g)
-            self.slots.free.append(g.slot)
-            g.slot, g.parked = None, True
             self.parked.append(g)
         back = [g for g in self.parked if not g.paused]
         self.parked = [g for g in self.parked if g.paused]
         self.waiting.extendleft(reversed(back))
+        self._preempt()
+
+    def _preempt(self):
+        """For each request that waits with no slot free for it, the running row that has sampled the most tokens
+        since it (re)joined, QUANTUM at least, is parked and waits in line behind it: rows share the slots in
+        turn, and a new request joins within a few quanta however long the others run. Parked, a row resumes
+        exactly where it was (its keys and values as they were, its generator's state its own)."""
+        wanted = len(self.waiting) - len(self.slots.free)
+        if wanted <= 0:
+            return
+        longest = sorted((g for g in self.rows if g.run_tokens >= QUANTUM and not g.paused and not g.done),
+                         key=lambda g: g.run_tokens, reverse=True)
+        for g in longest[:wanted]:
+            if not self._park_row(g):
+                return
+            self.waiting.append(g)
+
+    def _park_row(self, g):
+        """Keep g's row in the prefix cache and give its slot up; False when the cache has no room for it."""
+        if not self.cache.park(g, g.slot, g.length):
+            return False
+        self.rows.remove(g)
+        self.slots.free.append(g.slot)
+        g.slot, g.parked = None, True
+        return True
 
     def _begin(self, g):
         """A row's first step: echo its first prompt token (nothing predicts it); max_tokens 0 without echo ends
         at once (no prompt pass). A parked row is back: its keys and values as it left them."""
+        g.run_tokens = 0
         if g.parked:
             self.cache.unpark(g, g.slot)
             g.parked = False
@@ -690,6 +723,7 @@ class Engine:
         if request.logprobs is not None:
             event.logprob, event.top = scores(F.log_softmax(logits, dim=-1), token, request.logprobs)
         g.completion_tokens += 1
+        g.run_tokens += 1
         g.ids.append(token)
         g.todo = [token]
         if not self.use_cache or g.length >= self.block_size:
