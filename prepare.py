@@ -79,7 +79,7 @@ def prepare(input_path, out_dir, tokenizer_kind="char", val_fraction=0.1, vocab_
         raise UserError(f"--val_fraction must be between 0 and 1, got {val_fraction}")
     if tokenizer_kind not in ("char", "gpt2", "bpe"):
         raise UserError(f"unknown tokenizer {tokenizer_kind!r}; use char, gpt2 or bpe")
-    bpe.check_options(tokenizer_kind, vocab_size)  # (before reading the corpus)
+    bpe.check_options(tokenizer_kind, vocab_size, tokenizer_chars)  # (before reading the corpus)
     n_chars, chars = scan(input_path)
     split_at = int(n_chars * (1 - val_fraction))
     tok = make_tokenizer(tokenizer_kind, input_path, chars, vocab_size, min(split_at, tokenizer_chars or split_at))
@@ -197,16 +197,14 @@ def parser():
 
 def check_bpe_options(args):
     """A one-line error for --tokenizer bpe where it cannot be learned, --vocab_size without it (or out of range),
-    a directory of documents by character, or --tokenizer_chars out of range."""
+    --tokenizer_chars without it (or below 1), or a directory of documents by character."""
     if args.tokenizer == "bpe" and args.corpus != "text":
         raise UserError(f"--tokenizer bpe is for `text` files and directories; {args.corpus} is prepared with its "
                         f"own tokenizer")
-    bpe.check_options(args.tokenizer, args.vocab_size)
+    bpe.check_options(args.tokenizer, args.vocab_size, args.tokenizer_chars)
     if args.tokenizer == "char" and args.corpus == "text" and args.input and os.path.isdir(args.input):
         raise UserError("a directory of documents is prepared in GPT-2 BPE or a BPE learned on it (--tokenizer gpt2 "
                         "or bpe), not by character; join them into one text file for char")
-    if args.tokenizer_chars is not None and args.tokenizer_chars < 1:
-        raise UserError(f"--tokenizer_chars must be at least 1, got {args.tokenizer_chars}")
 
 
 def main(argv=None):

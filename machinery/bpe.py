@@ -28,12 +28,17 @@ def check_vocab_size(vocab_size):
     return vocab_size
 
 
-def check_options(tokenizer_kind, vocab_size):
-    """A one-line error unless --vocab_size comes with --tokenizer bpe, and only there, and fits (check_vocab_size)."""
+def check_options(tokenizer_kind, vocab_size, tokenizer_chars=None):
+    """A one-line error unless --vocab_size comes with --tokenizer bpe, and only there, and fits (check_vocab_size),
+    and --tokenizer_chars, where given, goes with it too and is at least 1."""
     if (vocab_size is None) != (tokenizer_kind != "bpe"):
         raise UserError("--vocab_size goes with --tokenizer bpe (the size of the vocabulary to learn), and only there")
     if vocab_size is not None:
         check_vocab_size(vocab_size)
+    if tokenizer_chars is not None and tokenizer_kind != "bpe":
+        raise UserError("--tokenizer_chars goes with --tokenizer bpe (the characters to learn it on), and only there")
+    if tokenizer_chars is not None and tokenizer_chars < 1:
+        raise UserError(f"--tokenizer_chars must be at least 1, got {tokenizer_chars}")
 
 
 def train(texts, n_tokens):

@@ -163,6 +163,8 @@ def test_a_checkpoint_samples_with_its_dataset_directory_deleted(learned, tmp_pa
     (["text", "--input", "DIR", "--name", "x", "--tokenizer", "char"], "not by character"),
     (["text", "--input", "FILE", "--name", "x", "--vocab_size", "300"], "--vocab_size goes with --tokenizer bpe"),
     (["text", "--input", "FILE", "--name", "x", "--tokenizer", "bpe"], "--vocab_size goes with --tokenizer bpe"),
+    (["text", "--input", "FILE", "--name", "x", "--tokenizer_chars", "5"], "--tokenizer_chars goes with --tokenizer bpe"),
+    (["text", "--input", "DIR", "--name", "x", "--tokenizer_chars", "5"], "--tokenizer_chars goes with --tokenizer bpe"),
 ])
 def test_what_a_learned_bpe_is_not_for_yet_is_refused_in_one_line(tmp_path, args, says):
     (tmp_path / "docs").mkdir()
