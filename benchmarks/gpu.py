@@ -84,8 +84,10 @@ def machine(device):
 
 
 def cuda_tests(gpu):
-    """The CUDA test files in a child pytest: PASS when they pass and, on a GPU, some ran."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS],
+    """The CUDA test files in a child pytest: PASS when they pass and, on a GPU, some ran. In one process (no
+    workers of pytest-xdist, where it is installed): one GPU, and few tests."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           *CUDA_TESTS],
                           cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "WANDB_MODE": "offline"})
     summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
