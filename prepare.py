@@ -6,6 +6,7 @@ Turn a text file into a training dataset: data/<name>/{train.bin, val.bin, meta.
     python prepare.py text --input PATH --name NAME [--tokenizer char|gpt2]
     python prepare.py text --input PATH --name NAME --tokenizer bpe --vocab_size 16384   # a BPE learned here
     python prepare.py text --input DIR --name NAME [--tokenizer gpt2|bpe ...]   # documents: token shards (corpus.py)
+    python prepare.py fineweb_edu|openwebtext [--tokenizer gpt2|bpe ...]   # the same, from the Hugging Face hub
     python prepare.py chat --input FILE|DIR [--name NAME] [--max_len 1024]   # conversations (conversations.py)
 
 train.bin / val.bin hold the token ids of the first 90% / last 10% of the text
@@ -174,12 +175,14 @@ def parser():
     p.add_argument("--name", help="the dataset's name: output in DATA_DIR/NAME (a plain name, not a path; default: "
                                   "the corpus's)")
     p.add_argument("--tokenizer", choices=["char", "gpt2", "bpe"],
-                   help="for `text` (default char for a file, gpt2 for a directory; chat: gpt2 only); bpe: a "
-                        "byte-level BPE learned on the training split, of --vocab_size tokens")
+                   help="for `text` (default char for a file, gpt2 for a directory; chat: gpt2 only) and the hub "
+                        "corpora (gpt2 or bpe); bpe: a byte-level BPE learned on the training split, of --vocab_size "
+                        "tokens")
     p.add_argument("--vocab_size", type=int, help="--tokenizer bpe: the tokens to learn, the 256 bytes and "
                                                   f"{len(bpe.SPECIALS)} special tokens among them (e.g. 16384)")
     p.add_argument("--tokenizer_chars", type=int, help="--tokenizer bpe: learn on the first this many characters "
-                                                       "of the training split (default: all of it)")
+                                                       "of the training split (default: all of it; for openwebtext "
+                                                       f"and fineweb_edu {corpus.HUB_TOKENIZER_CHARS:,})")
     p.add_argument("--data_dir", default=dataset.DATA_DIR, help=f"where datasets live (default: {dataset.DATA_DIR})")
     p.add_argument("--val_fraction", type=float, default=0.1, help="share of a text file (or of the conversations) "
                                                                    "kept for validation")
@@ -195,23 +198,28 @@ def parser():
     return p
 
 
-def check_bpe_options(args):
-    """A one-line error for --tokenizer bpe where it cannot be learned, --vocab_size without it (or out of range),
-    --tokenizer_chars without it (or below 1), or a directory of documents by character."""
-    if args.tokenizer == "bpe" and args.corpus != "text":
-        raise UserError(f"--tokenizer bpe is for `text` files and directories; {args.corpus} is prepared with its "
-                        f"own tokenizer")
+def check_tokenizer_options(args):
+    """A one-line error for a --tokenizer the corpus is not prepared in (a preset's own, bpe for chat, char for
+    documents), --vocab_size without bpe (or out of range), --tokenizer_chars without it (or below 1)."""
+    if args.tokenizer is not None and args.corpus in ("shakespeare_char", "shakespeare"):
+        raise UserError(f"{args.corpus} is prepared in its own tokenizer, not --tokenizer {args.tokenizer}; for "
+                        f"another: prepare.py text --input FILE --name NAME --tokenizer {args.tokenizer}")
+    if args.tokenizer == "bpe" and args.corpus == "chat":
+        raise UserError("--tokenizer bpe is for `text` files and directories and the hub corpora (openwebtext, "
+                        "fineweb_edu); chat is prepared with its own tokenizer")
     bpe.check_options(args.tokenizer, args.vocab_size, args.tokenizer_chars)
-    if args.tokenizer == "char" and args.corpus == "text" and args.input and os.path.isdir(args.input):
-        raise UserError("a directory of documents is prepared in GPT-2 BPE or a BPE learned on it (--tokenizer gpt2 "
-                        "or bpe), not by character; join them into one text file for char")
+    documents = args.corpus in corpus.HUB_CORPORA or (args.corpus == "text" and args.input
+                                                       and os.path.isdir(args.input))
+    if args.tokenizer == "char" and documents:
+        raise UserError("documents are prepared in GPT-2 BPE or a BPE learned on them (--tokenizer gpt2 or bpe), not "
+                        "by character; join them into one text file for char")
 
 
 def main(argv=None):
     args = parser().parse_args(argv)
     if args.name is not None:
         corpus.check_name(args.name)  # nothing is ever written outside data_dir
-    check_bpe_options(args)
+    check_tokenizer_options(args)
     if args.corpus in corpus.HUB_CORPORA or (args.corpus == "text" and args.input and os.path.isdir(args.input)):
         corpus.prepare_from_cli(args.corpus, args.data_dir, args.name, args.input, args.subset, args.num_proc,
                                 args.shard_tokens, args.vocab_size, args.tokenizer_chars)

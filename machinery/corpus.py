@@ -64,6 +64,9 @@ HUB_CORPORA = {  # prepare.py's corpus -> (hub repository, default subset)
     "fineweb_edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT"),
     "openwebtext": ("Skylion007/openwebtext", None),
 }
+# a BPE for a hub corpus is learned on this many of its training characters unless --tokenizer_chars says otherwise:
+# ~2 billion, as nanochat's speedrun learns its tokenizer on (the whole of sample-10BT is ~45 billion)
+HUB_TOKENIZER_CHARS = 2_000_000_000
 
 
 def check_name(name):
@@ -441,8 +444,9 @@ def prepare_corpus(source, out_dir, name, shard_tokens=DEFAULT_SHARD_TOKENS, num
 
 def prepare_from_cli(corpus, data_dir, name=None, input_path=None, subset=None, num_proc=None,
                      shard_tokens=DEFAULT_SHARD_TOKENS, vocab_size=None, tokenizer_chars=None):
-    """prepare.py's openwebtext / fineweb_edu / `text --input DIR` corpora, into the dataset data_dir/name (`text`:
-    with vocab_size, in a BPE learned on it)."""
+    """prepare.py's openwebtext / fineweb_edu / `text --input DIR` corpora, into the dataset data_dir/name; with
+    vocab_size in a BPE learned on it (a hub corpus's: on its first HUB_TOKENIZER_CHARS training characters unless
+    tokenizer_chars says how many, and by default in NAME_bpeVOCAB)."""
     if corpus == "text":
         if not input_path or not name:
             raise UserError("`text` with a directory needs --input DIR and --name NAME")
@@ -450,8 +454,11 @@ def prepare_from_cli(corpus, data_dir, name=None, input_path=None, subset=None, 
         source = LocalSource(input_path)
     elif corpus in HUB_CORPORA:
         repo_id, default_subset = HUB_CORPORA[corpus]
-        name = check_name(name or (corpus if corpus != "fineweb_edu" or not subset else f"fineweb_edu_{subset}"))
+        default_name = corpus if corpus != "fineweb_edu" or not subset else f"fineweb_edu_{subset}"
+        name = check_name(name or default_name + (f"_bpe{vocab_size}" if vocab_size else ""))
         source = LocalSource(input_path) if input_path else HubSource(repo_id, subset or default_subset)
+        if vocab_size and tokenizer_chars is None:
+            tokenizer_chars = HUB_TOKENIZER_CHARS
     else:
         raise UserError(f"unknown corpus {corpus!r}; use openwebtext, fineweb_edu or text")
     return prepare_corpus(source, dataset.resolve(data_dir, name), name, shard_tokens, num_proc,

@@ -158,7 +158,10 @@ def test_a_checkpoint_samples_with_its_dataset_directory_deleted(learned, tmp_pa
 
 @pytest.mark.parametrize("args, says", [
     (["chat", "--input", "DIR", "--tokenizer", "bpe"], "--tokenizer bpe is for `text` files"),
-    (["fineweb_edu", "--input", "DIR", "--tokenizer", "bpe", "--vocab_size", "300"], "fineweb_edu is prepared with"),
+    (["fineweb_edu", "--input", "DIR", "--tokenizer", "char"], "not by character"),
+    (["openwebtext", "--input", "DIR", "--vocab_size", "300"], "--vocab_size goes with --tokenizer bpe"),
+    (["shakespeare_char", "--input", "FILE", "--tokenizer", "gpt2"], "shakespeare_char is prepared in its own"),
+    (["shakespeare", "--input", "FILE", "--tokenizer", "bpe", "--vocab_size", "300"], "shakespeare is prepared in"),
     (["text", "--input", "DIR", "--name", "x", "--vocab_size", "300"], "--vocab_size goes with --tokenizer bpe"),
     (["text", "--input", "DIR", "--name", "x", "--tokenizer", "char"], "not by character"),
     (["text", "--input", "FILE", "--name", "x", "--vocab_size", "300"], "--vocab_size goes with --tokenizer bpe"),
@@ -203,14 +206,21 @@ def learned_docs(tmp_path_factory):
     return root / "data" / "docs", texts
 
 
-def test_the_shards_decode_to_the_documents_with_the_tokenizer_file_read_by_tiktoken(learned_docs):
-    directory, texts = learned_docs
+def written_tokenizer(directory):
+    """(meta.json, tiktoken's Encoding of the tokenizer file beside it, read by hand: a token in base64 and its rank
+    a line)."""
     import tiktoken
 
     saved = json.loads((directory / "meta.json").read_text())
-    lines = (directory / saved["tokenizer_file"]).read_bytes().splitlines()  # tiktoken's format, read by hand
-    enc = tiktoken.Encoding("mine", pat_str=GPT2_PATTERN, special_tokens=saved["special_tokens"],
-                            mergeable_ranks={base64.b64decode(t): int(r) for t, r in (line.split() for line in lines)})
+    lines = (directory / saved["tokenizer_file"]).read_bytes().splitlines()
+    return saved, tiktoken.Encoding("mine", pat_str=GPT2_PATTERN, special_tokens=saved["special_tokens"],
+                                    mergeable_ranks={base64.b64decode(t): int(r)
+                                                     for t, r in (line.split() for line in lines)})
+
+
+def test_the_shards_decode_to_the_documents_with_the_tokenizer_file_read_by_tiktoken(learned_docs):
+    directory, texts = learned_docs
+    saved, enc = written_tokenizer(directory)
     found = shards.list_shards(str(directory))
     assert len(found["val"]) == 1 and len(found["train"]) >= 3 and saved["shards"] == 1 + len(found["train"])
     val = shards.open_tokens(found["val"][0]).tolist()
@@ -262,3 +272,37 @@ def test_a_stopped_preparation_of_documents_continues_to_the_same_bytes_on_one_p
     shard_corpus.prepare_corpus(source, out, "docs", SHARD, 1, progress=False, vocab_size=VOCAB)
     for name in sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".tiktoken")):
         assert (out / name).read_bytes() == (directory / name).read_bytes(), name
+
+
+def test_a_hub_corpus_learns_its_bpe_on_its_first_training_characters_into_its_own_dataset(tmp_path, monkeypatch):
+    """`prepare.py fineweb_edu --tokenizer bpe` with huggingface_hub's two calls faked (no network here): the
+    tokenizer is learned on the first HUB_TOKENIZER_CHARS characters of the documents after validation's, the
+    dataset is fineweb_edu_bpeN (beside a GPT-2 one), and its shards decode to the documents."""
+    import huggingface_hub as hub
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = write_documents(tmp_path / "docs")
+    files = {"sample/10BT/000_00000.parquet": texts[:9], "sample/10BT/001_00000.parquet": texts[9:]}
+    for i, (name, part) in enumerate(files.items()):
+        pq.write_table(pa.table({"text": part}), tmp_path / f"{i}.parquet")
+    local = {name: str(tmp_path / f"{i}.parquet") for i, name in enumerate(files)}
+    monkeypatch.setattr(hub.HfApi, "list_repo_files", lambda self, repo_id, repo_type=None, revision=None: [*files])
+    monkeypatch.setattr(hub, "hf_hub_download", lambda repo_id, filename, repo_type=None, revision=None: local[filename])
+    monkeypatch.setattr(shard_corpus, "HUB_TOKENIZER_CHARS", 5000)
+    proc = run_in_process(prepare.main, "fineweb_edu", "--tokenizer", "bpe", "--vocab_size", VOCAB, "--shard_tokens",
+                          SHARD, "--num_proc", 1, "--data_dir", tmp_path / "data", check=True)
+    assert "(their first 5,000 characters)" in proc.stdout
+    directory = tmp_path / "data" / f"fineweb_edu_bpe{VOCAB}"
+    saved, enc = written_tokenizer(directory)
+    learned_on, left = [], 5000  # the training documents' first 5,000 characters
+    for text in texts[1:]:
+        learned_on.append(text[:left])
+        left -= len(learned_on[-1])
+    ranks = meta.read(str(directory)).make_tokenizer().ranks
+    assert ranks == dict(bpe.train(learned_on, VOCAB - len(bpe.SPECIALS)).get_mergeable_ranks())
+    found = shards.list_shards(str(directory))
+    assert enc.decode(shards.open_tokens(found["val"][0]).tolist()) == EOT_TEXT + GREEK
+    train_ids = np.concatenate([shards.open_tokens(p) for p in found["train"]]).tolist()
+    assert enc.decode(train_ids) == "".join(EOT_TEXT + text for text in texts[1:])
+    assert saved["tokenizer"] == "bpe" and saved["documents"] == len(texts)
