@@ -70,6 +70,28 @@ def test_a_requests_tokens_are_the_same_alone_and_among_31_others():
     assert run(runner, [requests[5]]) == [together[5]] and run(runner, [requests[30]]) == [together[30]]
 
 
+def cache_on_and_off(device, dtype):
+    """Every request's events with the prefix cache off and on, over test_prefix_cache.py's waves of requests
+    sharing prefixes (greedy and seeded, n > 1, echo, logprobs, past block_size), and the tokens it saved."""
+    from test_prefix_cache import CHUNK, random_waves, results
+
+    model = engine.prepare(small_model(n_embd=32, block_size=48), device, dtype)
+    events, saved = [], []
+    for budget in (0, 1):
+        runner = engine.Engine(model, Tokens(70), device, max_batch=4, prefill_chunk=CHUNK, prefix_cache_mb=budget)
+        got, generations = results(runner, random_waves(3))
+        events.append(got)
+        saved.append(sum(g.cached_tokens for g in generations))
+    return events, saved
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_prefix_cache_changes_no_token_or_logprob_on_the_cuda_graph(dtype, tf32_off):
+    """Issue 41 on CUDA: cached prefixes are the KV a recomputation gives, bit for bit, in the fixed step's graph."""
+    events, saved = cache_on_and_off("cuda", dtype)
+    assert events[1] == events[0] and saved[0] == 0 and saved[1] > 0
+
+
 def test_a_decoding_step_makes_the_host_wait_for_the_gpu_once():
     """Sampling stays on the device: a step that only decodes (greedy, top-k and plain sampling rows together)
     synchronises once, to read the new tokens (torch's sync debug mode warns at each synchronising call)."""
