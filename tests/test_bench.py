@@ -599,3 +599,146 @@ def test_gpu_mode_judges_a_gpus_figures_by_the_goals_and_a_failed_part_does_not_
     rates["bfloat16"] = 1500.0  # 6x transformers' 250
     assert bench.main(["--mode=gpu", "--budget_s=100"])[1].verdict == "PASS"
     assert "| sample.py bfloat16" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- mode=tokenizers
+
+# Du Fu's 春望, whose title, poet and first line are the mode's sample prompt: the verse of the test's corpus
+SPRING_VIEW = ["國破山河在，城春草木深。", "感時花濺淚，恨別鳥驚心。", "烽火連三月，家書抵萬金。", "白頭搔更短，渾欲不勝簪。"]
+# a model the size of the test's (the mode's MODEL less its wall-time stop: its runs end at max_iters here)
+TOKENIZERS_MODEL = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=2",
+                    "--gradient_accumulation_steps=1", "--dropout=0.0", "--learning_rate=1e-3", "--decay_lr=False",
+                    "--warmup_iters=1", "--eval_interval=1000000", "--eval_iters=1", "--log_interval=1",
+                    "--max_iters=3", "--compile=False", "--device=cpu"]
+
+
+def tokenizers_corpus(n_lines=2000, seed=0):
+    """n_lines lines of 12 characters each (a multiple of 10 lines: prepare.py's validation split, the last tenth of
+    the characters, starts a line, so the splits' tokens are the whole text's): 春望's lines, lines of its
+    characters and of its title's and poet's at random, and lines of English words."""
+    import random
+
+    from conftest import WORDS
+
+    rng = random.Random(seed)
+    chars = sorted(set("".join(SPRING_VIEW) + "春望杜甫") - set("，。"))
+    lines = []
+    for _ in range(n_lines):
+        kind = rng.random()
+        if kind < 0.2:
+            lines.append(rng.choice(SPRING_VIEW))
+        elif kind < 0.6:
+            lines.append("".join(rng.choice(chars) for _ in range(5)) + "，" +
+                         "".join(rng.choice(chars) for _ in range(5)) + "。")
+        else:
+            lines.append(" ".join(rng.choice(WORDS) for _ in range(4))[:11].ljust(11) + ".")
+    return "".join(line + "\n" for line in lines)
+
+
+def tokenizers_scripts_in_process(monkeypatch):
+    """The mode's `python SCRIPT ...` processes of ours run in this process instead (SCRIPT's main: faster; train.py
+    then ends at its max_iters, where the mode's run() would stop a process --train_s seconds after its start: tested
+    below on a process); `python -c` (the two learners) still as processes. Returns the (args, stop_after) of each."""
+    import eval as eval_script
+    import prepare
+    import sample
+    import train
+    from benchmarks import tokenizers
+
+    mains = {"prepare.py": prepare.main, "train.py": train.main, "eval.py": eval_script.main, "sample.py": sample.main}
+    real, calls = tokenizers.run, []
+
+    def run(args, stop_after=None):
+        calls.append((args, stop_after))
+        if args[0] not in mains:
+            return real(args, stop_after)
+        return run_in_process(mains[args[0]], *args[1:], check=True).stdout, 0.0
+
+    monkeypatch.setattr(tokenizers, "run", run)
+    monkeypatch.setattr(tokenizers, "BPE_SIZES", (320, 512))
+    monkeypatch.setattr(tokenizers, "COMPARED", 512)
+    monkeypatch.setattr(tokenizers, "MODEL", TOKENIZERS_MODEL)
+    monkeypatch.setattr(tokenizers, "EVAL_CHARS", 520)  # of the 2,600 of the validation split
+    return calls
+
+
+def test_tokenizers_mode_runs_end_to_end_and_counts_what_tiktoken_counts(tmp_path, monkeypatch):
+    import ast
+    import resource
+
+    from benchmarks import tokenizers
+
+    text = tokenizers_corpus()
+    path = tmp_path / "verse.txt"
+    path.write_text(text, encoding="utf-8")
+    calls = tokenizers_scripts_in_process(monkeypatch)
+    out = run_in_process(bench.main, "--mode=tokenizers", f"--input={path}", "--train_s=1", check=True).stdout
+    n_chars, n_bytes = len(text), len(text.encode("utf-8"))
+    assert f"verse.txt: {n_chars:,} characters, {n_bytes:,} bytes" in out.splitlines()
+    # compression: char is a token a character, GPT-2 tiktoken's tokens, the learned BPEs the vocabularies asked for
+    rows = re.findall(r"^\| (\S+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+|-) \| [\d.]+ \|$", out,
+                      re.M)
+    figures = {name: (int(vocab.replace(",", "")), int(tokens.replace(",", "")), float(cpt), float(bpt), learned)
+               for name, vocab, tokens, cpt, bpt, learned in rows}
+    assert list(figures) == ["char", "gpt2", "bpe320", "bpe512"]
+    gpt2_tokens = len(gpt2_encoding().encode_ordinary(text))
+    for name, vocab, tokens in (("char", len(set(text)), n_chars), ("gpt2", 50257, gpt2_tokens)):
+        assert figures[name][:2] == (vocab, tokens), name
+        assert figures[name][2:4] == (pytest.approx(n_chars / tokens, abs=5e-4),
+                                      pytest.approx(n_bytes / tokens, abs=5e-3)), name
+    for name, size in (("bpe320", 320), ("bpe512", 512)):
+        vocab, tokens, cpt, bpt, learned = figures[name]
+        assert vocab == size and learned != "-" and tokens < n_bytes, name
+        assert (cpt, bpt) == (pytest.approx(n_chars / tokens, abs=5e-4), pytest.approx(n_bytes / tokens, abs=5e-3))
+    # the two learners, each a process of its own, at the compared size
+    learners = re.findall(r"^\| (rustbpe|HF tokenizers) \| [\d.]+ \| (\d+) \| ([\d.]+) \|$", out, re.M)
+    assert [name for name, _, _ in learners] == ["rustbpe", "HF tokenizers"]
+    # each learner's own peak memory: not that of the process it was started from (this one, with torch: more)
+    assert all(0 < int(peak) < resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 for _, peak, _ in learners)
+    assert "| learner (0.5k, training split) |" in out
+    # equal time: each model stopped --train_s after its start (here: at max_iters), its bits per byte and sample
+    assert [stop for args, stop in calls if args[0] == "train.py"] == [1, 1, 1]
+    assert all(stop is None for args, stop in calls if args[0] != "train.py")
+    assert "Equal wall time: 1 s of train.py each" in out and "on the first 520 characters of the validation" in out
+    trained = re.findall(r"^\| (\S+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ('.*') \|$", out, re.M)
+    assert [(name, int(iters)) for name, iters, *_ in trained] == [("char", 3), ("gpt2", 3), ("bpe512", 3)]
+    assert all(float(loss) > 0 and float(bpb) > 0 for _, _, loss, bpb, _ in trained)
+    samples = {name: ast.literal_eval(sample) for name, *_, sample in trained}
+    assert len(samples["char"]) == tokenizers.SAMPLE_CHARS and set(samples["char"]) <= set(text)
+    for name in ("char", "gpt2", "bpe320", "bpe512", "rustbpe", "HF tokenizers"):  # each figure's line as it comes
+        assert re.search(rf"^{name}: {{", out, re.M), name
+
+
+def test_tokenizers_mode_without_its_text_is_one_line(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("", encoding="utf-8")
+    for path, what in ((tmp_path / "none.txt", "none.txt is not a file"), (empty, "empty.txt is empty")):
+        proc = run_in_process(bench.main, "--mode=tokenizers", f"--input={path}")
+        assert_one_error_line(proc, "mode=tokenizers", what, "--input")
+        assert proc.stdout == "" and sorted(os.listdir(tmp_path)) == ["empty.txt"]  # no figure, no file
+
+
+def test_tokenizers_mode_stops_a_process_when_asked_and_its_failure_is_one_line():
+    # a process that only a signal ends: run() sends SIGTERM stop_after seconds after its start and returns what it
+    # printed (as train.py saves and exits 0); blocked here until its handler is set (the mask is inherited)
+    import signal
+
+    from benchmarks import tokenizers
+    from conftest import assert_one_line
+
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *_: (print('stopped'), sys.exit(0)))\n"
+            "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})\n"
+            "print('started', flush=True)\n"
+            "time.sleep(60)")
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        out, seconds = tokenizers.run(["-c", code], stop_after=0.2)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    assert out == "started\nstopped\n" and seconds >= 0.2
+    # a learner's code of several lines that fails: one line, its last line of stderr, not the code
+    with pytest.raises(UserError) as excinfo:
+        tokenizers.run(["-c", "import sys\nprint('a first line', file=sys.stderr)\nsys.exit('no learner here')"])
+    assert assert_one_line(excinfo, "python -c failed (exit 1): no learner here") == \
+        "python -c failed (exit 1): no learner here"
