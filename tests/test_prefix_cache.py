@@ -353,3 +353,128 @@ def test_sample_py_chat_encodes_only_each_turns_new_message_and_replies_as_witho
         assert turn.cached_tokens == min(shared // CHUNK, (turn.prompt_tokens - 1) // CHUNK) * CHUNK > 0
     # the reply's chunks too (encoded after it), not only the prompt's (encoded with it)
     assert any(turn.cached_tokens > before.prompt_tokens // CHUNK * CHUNK for before, turn in zip(turns, turns[1:]))
+
+
+@pytest.fixture
+def quick_conversation_mode(monkeypatch):
+    """bench.py --mode=conversation made quick: a tiny model, a 100-token system prompt, 88-token user messages and
+    12-token replies, 64-token prompts in the flood (a chunk each); serve.py's server (its build() and app) in a
+    thread of this process, not a process (start_server has tests of its own), its RSS this process's; the pause
+    between turns lasts until the engine has cached the finished turn (not THINK_S: so that a loaded machine changes
+    no figure).
+    run(turns, conversations, *settings): bench.main's result, and (engine, Generations submitted in order) of each
+    server."""
+    import asyncio
+    import os
+    import types
+
+    import bench
+    from benchmarks import conversation
+    from test_serve import serving
+
+    for name, value in dict(SYSTEM=100, USER=88, REPLY=12, THINK_S=0, FLOOD_LEN=64).items():
+        monkeypatch.setattr(conversation, name, value)
+    servers = []
+
+    @contextlib.contextmanager
+    def in_thread(hf_dir, dtype, *settings):
+        with serving(hf_dir, f"--init_from={hf_dir}", f"--dtype={dtype}", *settings) as server:
+            submitted, submit = [], server.engine.submit
+            server.engine.submit = lambda request, **kw: submitted.append(submit(request, **kw)) or submitted[-1]
+            servers.append((server.engine, submitted))
+            yield f"{server.url}/v1/completions", types.SimpleNamespace(pid=os.getpid())
+
+    async def think():
+        while servers[-1][0].tails:  # (a finished turn is in tails before its client has its last event)
+            await asyncio.sleep(0.005)
+    monkeypatch.setattr(conversation, "serving", in_thread)
+    monkeypatch.setattr(conversation, "think", think)
+
+    def run(turns, conversations, *settings):
+        monkeypatch.setattr(conversation, "TURNS", turns)
+        monkeypatch.setattr(conversation, "CONVERSATIONS", conversations)
+        threads = torch.get_num_threads()
+        try:
+            return bench.main(["--mode=conversation", "--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=512",
+                               "--device=cpu", "--dtype=float32", "--threads=1", *settings]), servers
+        finally:
+            torch.set_num_threads(threads)
+    return run
+
+
+def chunks_shared(generations, chunk):
+    """Each generation's prompt tokens that a prefix cache of whole chunks holds when it comes: the whole chunks it
+    shares with an earlier generation's tokens (prompt and reply), but the chunk that ends its prompt."""
+    expected = []
+    for i, g in enumerate(generations):
+        prompt = g.ids[:g.prompt_tokens]
+        shared = max((next(j for j, (a, b) in enumerate(zip(h.ids + [None], prompt + [None])) if a != b)
+                      for h in generations[:i]), default=0)
+        expected.append(min(shared // chunk, (len(prompt) - 1) // chunk) * chunk)
+    return expected
+
+
+def test_conversation_mode_prints_every_row_and_the_cached_tokens_of_whole_shared_chunks(quick_conversation_mode,
+                                                                                          capsys):
+    """Its quick form end to end: a row per turn, the 8 at once with and without the cache, the flood's RSS before and
+    after each 8 prompts; every reply the same (and NO where the lone conversation's or one of the 8's differs); the
+    cached tokens printed are the chunk arithmetic's over what the server was sent (the 8 share only the system
+    prompt with the conversation before them: 1 chunk of 64 each)."""
+    from benchmarks import conversation
+
+    (on, off, same), servers = quick_conversation_mode(2, 8, "--flood=16")
+    out = capsys.readouterr().out
+    (engine_on, sent), (engine_off, _), _ = servers
+    assert engine_on.cache is not None and engine_off.cache is None and engine_on.prefill_chunk == 64
+    rows = re.findall(r"^ +(\d) +(\d+) +(\d+) +\d+ +\d+ +[\d.]+x$", out, re.M)
+    lone, together = sent[1:3], sent[3:]  # (sent[0]: the warm-up)
+    assert [(int(turn), int(prompt)) for turn, prompt, _ in rows] == [(t, g.prompt_tokens) for t, g in
+                                                                      enumerate(lone, 1)]
+    expected = chunks_shared(sent, 64)
+    assert [int(cached) for _, _, cached in rows] == expected[1:3] and expected[1] == 0
+    assert expected[2] > 188 // 64 * 64  # a chunk of turn 1's prompt and reply, cached while the server was idle
+    assert "every reply the same with and without the cache: yes" in out and same
+    medians = re.findall(r"^  (cache|none ) +(?:\d+ +){2} *[\d.]+ tokens/s +RSS \d+ MB$", out, re.M)
+    assert "8 other conversations at once" in out and medians == ["cache", "none "]
+    by_conversation = collections.defaultdict(list)  # (each one's user messages: random, its own)
+    for g, cached in zip(together, expected[3:]):
+        by_conversation[tuple(g.ids[100:188])].append(cached)
+    per_turn = [sum(turns) for turns in zip(*by_conversation.values())]
+    assert len(by_conversation) == 8 and per_turn[0] == 8 * 64
+    assert re.search(r"^  prompt tokens from the cache per turn, all 8: +" + " +".join(map(str, per_turn)) + "$",
+                     out, re.M)
+    flood = re.search(r"^flood: 16 distinct 64-token prompts, .*--prefix_cache_mb=64: the server's RSS \(MB\) (.+)$",
+                      out, re.M)
+    assert len(flood.group(1).split(" -> ")) == 1 + 2 + 1  # before, after each 8 (a quarter is less), at the end
+    for which in (None, 5):
+        assert not conversation.report(reply_changed(on, which), off)
+        assert "every reply the same with and without the cache: NO" in capsys.readouterr().out
+
+
+def reply_changed(on, which):
+    """measure()'s results with one reply changed: the lone conversation's last (which None) or the last of the
+    which-th conversation at once."""
+    def changed(c):
+        return c[0], c[1][:-1] + [c[1][-1] + "!"], c[2]
+    alone, together, rate, rss = on
+    if which is None:
+        return changed(alone), together, rate, rss
+    return alone, [changed(c) if i == which else c for i, c in enumerate(together)], rate, rss
+
+
+def test_conversation_mode_says_so_when_a_reply_it_is_sent_differs_with_the_cache(quick_conversation_mode, capsys,
+                                                                                  monkeypatch):
+    """The reply that the client of the cache's server reads in the conversations at once (here one) made different:
+    NO, end to end."""
+    from benchmarks import conversation
+
+    calls, first_token = [], conversation.first_token
+
+    async def altered(http, url, prompt):
+        first, text, usage = await first_token(http, url, prompt)
+        calls.append(url)  # the cache's server's warm-up, its lone turn, then the one at once: changed
+        return first, text + ("!" if len(calls) == 3 else ""), usage
+    monkeypatch.setattr(conversation, "first_token", altered)
+    (on, off, same), _ = quick_conversation_mode(1, 1, "--flood=0")
+    assert "every reply the same with and without the cache: NO" in capsys.readouterr().out and not same
+    assert on[0][1] == off[0][1] and on[1][0][1] != off[1][0][1]
