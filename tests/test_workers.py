@@ -38,7 +38,8 @@ def test_threads_set_by_the_user_are_kept(monkeypatch):
 
 @pytest.mark.parametrize("args", [["-n", "0"], ["-n0"], ["-n", "4"], ["--numprocesses=3"], ["--dist", "load"],
                                   ["--dist=loadfile"], ["--pdb"], ["--trace"], ["-s"], ["--capture=no"],
-                                  ["--co"], ["--collect-only", "-q"]])
+                                  ["--co"], ["--collect-only", "-q"], ["tests/test_model.py::test_forward"],
+                                  ["tests/test_a.py", "tests/test_b.py::test_c[x]"]])
 def test_a_command_line_that_says_how_to_run_is_left_alone(monkeypatch, args):
     assert decided(monkeypatch, ["-q", *args]) == (["-q", *args], None)
 

@@ -3,12 +3,14 @@ A pytest plugin (pytest.ini loads it with `-p workers`): the suite runs on every
 
 Most tests are small models stepped from Python: one process keeps one core busy and leaves the other idle (on 2
 cores, 227 s of CPU in 203 s). So where pytest-xdist is installed (requirements-dev.txt) and the command line says
-nothing of it, this adds `-n WORKERS --dist worksteal` (a test runs where a core is free, whole modules stay
-together only where their tests are cheap) and gives each worker an equal share of the cores for torch's threads
+nothing of it, this adds `-n WORKERS --dist worksteal` (the tests are dealt out evenly, and a worker that runs out
+takes the other's last ones: the long process tests do not pile up on one) and gives each worker an equal share of
+the cores for torch's threads
 (OMP_NUM_THREADS, unless set already: two workers of 2 threads on 2 cores wait on each other's spinning threads).
 The processes the tests start inherit it. Where xdist is missing (a GPU machine with torch and pytest alone), with
-`-n`/`-p no:xdist` given, or for what needs one process (`--pdb`, `--trace`, `-s`, `--collect-only`), nothing
-changes: `python -m pytest -q -n 0` runs the suite in one process.
+`-n`/`-p no:xdist` given, for what needs one process (`--pdb`, `--trace`, `-s`, `--collect-only`), or for tests
+named one by one (FILE::TEST: a worker's start-up, ~3 s, is more than they save), nothing changes: `python -m
+pytest -q -n 0` runs the suite in one process.
 
 Here and not in conftest.py: arguments can be changed only before they are parsed, in
 pytest_load_initial_conftests, which pytest calls for plugins and never for conftest files.
@@ -29,7 +31,8 @@ def pytest_load_initial_conftests(early_config, parser, args):
     """Add -n and --dist to args where xdist is loaded and nothing asks for one process."""
     said = any(arg == option or arg.startswith(option + ("=" if option.startswith("--") else ""))
                for arg in args for option in ONE_PROCESS)  # (-n4 and --dist=load too)
-    if said or not early_config.pluginmanager.hasplugin("xdist") or "PYTEST_XDIST_WORKER" in os.environ:
+    chosen = any("::" in arg for arg in args)  # tests named one by one: fewer than workers' start-up is worth
+    if said or chosen or not early_config.pluginmanager.hasplugin("xdist") or "PYTEST_XDIST_WORKER" in os.environ:
         return
     workers = min(cores(), MOST_WORKERS)
     if workers < 2:
