@@ -198,6 +198,12 @@ def parser():
     return p
 
 
+def of_documents(args):
+    """Is the corpus one of documents, prepared as token shards (corpus.py): a hub corpus or a directory?"""
+    return args.corpus in corpus.HUB_CORPORA or (args.corpus == "text" and bool(args.input)
+                                                  and os.path.isdir(args.input))
+
+
 def check_tokenizer_options(args):
     """A one-line error for a --tokenizer the corpus is not prepared in (a preset's own, bpe for chat, char for
     documents), --vocab_size without bpe (or out of range), --tokenizer_chars without it (or below 1)."""
@@ -208,9 +214,7 @@ def check_tokenizer_options(args):
         raise UserError("--tokenizer bpe is for `text` files and directories and the hub corpora (openwebtext, "
                         "fineweb_edu); chat is prepared with its own tokenizer")
     bpe.check_options(args.tokenizer, args.vocab_size, args.tokenizer_chars)
-    documents = args.corpus in corpus.HUB_CORPORA or (args.corpus == "text" and args.input
-                                                       and os.path.isdir(args.input))
-    if args.tokenizer == "char" and documents:
+    if args.tokenizer == "char" and of_documents(args):
         raise UserError("documents are prepared in GPT-2 BPE or a BPE learned on them (--tokenizer gpt2 or bpe), not "
                         "by character; join them into one text file for char")
 
@@ -220,7 +224,7 @@ def main(argv=None):
     if args.name is not None:
         corpus.check_name(args.name)  # nothing is ever written outside data_dir
     check_tokenizer_options(args)
-    if args.corpus in corpus.HUB_CORPORA or (args.corpus == "text" and args.input and os.path.isdir(args.input)):
+    if of_documents(args):
         corpus.prepare_from_cli(args.corpus, args.data_dir, args.name, args.input, args.subset, args.num_proc,
                                 args.shard_tokens, args.vocab_size, args.tokenizer_chars)
         return

@@ -358,6 +358,30 @@ def eager_dynamo(monkeypatch):
         torch._dynamo.reset()
 
 
+def fake_hub(monkeypatch, tmp_path, files, repo_id="HuggingFaceFW/fineweb-edu"):
+    """huggingface_hub's two calls that documents.HubSource makes, faked (no network here): repo_id's dataset lists
+    files ({name: texts}, beside a README.md), and hf_hub_download gives each as a local parquet file of a text
+    column. Returns the names fetched, in the order asked."""
+    import huggingface_hub as hub
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    local, fetched = {}, []
+    for i, (name, texts) in enumerate(files.items()):
+        local[name] = str(tmp_path / f"hub_{i}.parquet")
+        pq.write_table(pa.table({"text": texts}), local[name])
+
+    def download(repo, filename, repo_type=None, revision=None):
+        assert (repo, repo_type, revision) == (repo_id, "dataset", None)
+        fetched.append(filename)
+        return local[filename]
+
+    monkeypatch.setattr(hub.HfApi, "list_repo_files", lambda self, repo, repo_type=None, revision=None:
+                        ["README.md", *files] if repo == repo_id else [])
+    monkeypatch.setattr(hub, "hf_hub_download", download)
+    return fetched
+
+
 @pytest.fixture
 def tf32_off():
     """Both TF32 flags off (cudnn's is on by default), put back as they were after the test (train.py on CUDA turns

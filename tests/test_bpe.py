@@ -16,7 +16,7 @@ import torch
 
 import prepare
 import sample
-from conftest import assert_one_error_line, make_corpus, run_in_process, tiny_train_args, train
+from conftest import assert_one_error_line, fake_hub, make_corpus, run_in_process, tiny_train_args, train
 from machinery import bpe, chat, checkpoint, corpus as shard_corpus, documents, meta, shards
 from machinery.tokenizer import EOT_TEXT, GPT2_PATTERN, parse_ranks
 from model import GPT, GPTConfig
@@ -278,17 +278,9 @@ def test_a_hub_corpus_learns_its_bpe_on_its_first_training_characters_into_its_o
     """`prepare.py fineweb_edu --tokenizer bpe` with huggingface_hub's two calls faked (no network here): the
     tokenizer is learned on the first HUB_TOKENIZER_CHARS characters of the documents after validation's, the
     dataset is fineweb_edu_bpeN (beside a GPT-2 one), and its shards decode to the documents."""
-    import huggingface_hub as hub
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     texts = write_documents(tmp_path / "docs")
-    files = {"sample/10BT/000_00000.parquet": texts[:9], "sample/10BT/001_00000.parquet": texts[9:]}
-    for i, (name, part) in enumerate(files.items()):
-        pq.write_table(pa.table({"text": part}), tmp_path / f"{i}.parquet")
-    local = {name: str(tmp_path / f"{i}.parquet") for i, name in enumerate(files)}
-    monkeypatch.setattr(hub.HfApi, "list_repo_files", lambda self, repo_id, repo_type=None, revision=None: [*files])
-    monkeypatch.setattr(hub, "hf_hub_download", lambda repo_id, filename, repo_type=None, revision=None: local[filename])
+    fake_hub(monkeypatch, tmp_path, {"sample/10BT/000_00000.parquet": texts[:9],
+                                     "sample/10BT/001_00000.parquet": texts[9:]})
     monkeypatch.setattr(shard_corpus, "HUB_TOKENIZER_CHARS", 5000)
     proc = run_in_process(prepare.main, "fineweb_edu", "--tokenizer", "bpe", "--vocab_size", VOCAB, "--shard_tokens",
                           SHARD, "--num_proc", 1, "--data_dir", tmp_path / "data", check=True)

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import assert_one_error_line, assert_one_line, run_in_process, tiny_train_args, train
+from conftest import assert_one_error_line, assert_one_line, fake_hub, run_in_process, tiny_train_args, train
 from machinery import corpus, documents
 from machinery.errors import UserError
 from machinery.tokenizer import gpt2_encoding
@@ -218,23 +218,10 @@ def test_dataset_names_must_be_plain(tmp_path, name):
 def test_hub_source_reads_the_subset_files_in_order(tmp_path, monkeypatch):
     """The hub path with huggingface_hub's two calls faked (no network here): the subset's parquet files
     are listed, fetched one by one and read in name order; other subsets and files are left alone."""
-    import huggingface_hub as hub
     docs = make_docs(40, seed=2)
     files = {"sample/10BT/001_00000.parquet": docs[20:], "sample/10BT/000_00000.parquet": docs[:20],
              "sample/100BT/000_00000.parquet": ["other subset"], "data/CC-MAIN-2024-10/000.parquet": ["a dump"]}
-    for i, (name, texts) in enumerate(files.items()):
-        pq.write_table(pa.table({"text": texts}), tmp_path / f"{i}.parquet")
-    local = {name: str(tmp_path / f"{i}.parquet") for i, name in enumerate(files)}
-    fetched = []
-
-    def download(repo_id, filename, repo_type=None, revision=None):
-        assert (repo_id, repo_type, revision) == ("HuggingFaceFW/fineweb-edu", "dataset", None)
-        fetched.append(filename)
-        return local[filename]
-
-    monkeypatch.setattr(hub.HfApi, "list_repo_files", lambda self, repo_id, repo_type=None, revision=None:
-                        ["README.md", *files])
-    monkeypatch.setattr(hub, "hf_hub_download", download)
+    fetched = fake_hub(monkeypatch, tmp_path, files)
     source = documents.HubSource(*corpus.HUB_CORPORA["fineweb_edu"])
     assert list(source.documents()) == docs
     assert fetched == ["sample/10BT/000_00000.parquet", "sample/10BT/001_00000.parquet"]
