@@ -264,19 +264,29 @@ class PackedLinear(RowsLinear):
 
     def __init__(self, linear):
         super().__init__(linear)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(_contiguous(linear.weight.detach()), None)
 
     def product(self, x):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def _contiguous(weight):
+    """weight in row-major order, as oneDNN packs it. A Hugging Face GPT-2's matrices load transposed (its
+    Conv1D layout, in x out), and PyTorch copies a transposed matrix in one thread, block by block; seen as 3-d
+    (groups of 16 rows), the same copy is split over the threads (BENCHMARKS.md)."""
+    rows, cols = weight.shape
+    if weight.is_contiguous() or rows % 16:
+        return weight.contiguous()
+    return weight.view(rows // 16, 16, cols).contiguous().view(rows, cols)
 
 
 @torch.inference_mode()
 def calibrate(model, most):
     """The most rows (up to most) that one decoding pass of model may hold on this CPU with each row's result
     the one it gets alone, measured on the model's RowsLinear layers; each one's min_rows set on the way.
-    oneDNN picks its algorithm by the number of rows, and algorithms round differently: on a CPU with AMX,
-    bfloat16 products of GPT-2's shapes are computed one way up to 32 rows and another (AMX tiles) beyond, and
-    some shapes switch at 9 rows. One random row repeated n times gives n times the row's own result exactly
+    oneDNN blocks a product by its number of rows, and blockings round differently: on a CPU with AMX, its AMX
+    kernel computes GPT-2's bfloat16 (2304, 768) one way up to 32 rows and another beyond, and some shapes
+    switch at 9 rows. One random row repeated n times gives n times the row's own result exactly
     when the algorithm for n rows rounds as the one for a row alone (an algorithm that sums in another order
     changes some of the bits). Shapes are measured once each; a few milliseconds a shape and row count."""
     limit, measured = most, {}

@@ -14,8 +14,9 @@ warning.
 
 The CPU kinds this knows (cpu_kind), and what is chosen on each (measured: BENCHMARKS.md):
 
-    AMX            bfloat16; oneDNN's AMX kernels for prompts and batches, its AVX-512 BF16
-                   kernel for decoding's few rows (a lone row unpadded)
+    AMX            bfloat16; oneDNN's AMX kernels at every number of rows, a lone row's too
+                   (ONEDNN_VERBOSE=1 names brg_matmul:avx10_1_512_amx), which block, and so round,
+                   otherwise beyond some number of rows (engine.calibrate); a lone row unpadded
     AVX-512 BF16   bfloat16; oneDNN's AVX-512 BF16 kernels
     AVX-512        float32 (bfloat16 only converted there, not computed)
     AVX2           float32 (bfloat16 emulated, ~50x slower; --dtype=float16 for one fast stream)
@@ -84,7 +85,7 @@ def cpu_native(dtype):
 
 
 CPU_KINDS = {  # what dtype=auto and the engine choose on each kind of CPU (the module's docstring says why)
-    "AMX": "bfloat16: AMX for prompts and batches, AVX-512 BF16 for decoding",
+    "AMX": "bfloat16: oneDNN's AMX kernels",
     "AVX-512 BF16": "bfloat16: AVX-512 BF16",
     "AVX-512": "float32: bfloat16 is only converted",
     "AVX2": "float32: bfloat16 is emulated",

@@ -452,6 +452,24 @@ def test_packed_linear_computes_nn_linear_whatever_the_number_of_rows(dtype, tol
             assert torch.equal(packed(x[:rows]), whole[:rows])
 
 
+@pytest.mark.parametrize("rows", [48, 40])
+def test_packed_linear_takes_a_transposed_weight_as_its_row_major_copy(rows):
+    """A Hugging Face GPT-2's matrices load as transposed views (its Conv1D layout); packed, they compute what
+    the same weights in row-major order compute, bit for bit (48 rows: copied 16 rows at a time; 40: plainly)."""
+    torch.manual_seed(0)
+    conv1d = torch.randn(64, rows)  # (in, out), as Conv1D stores it
+    transposed, row_major = torch.nn.Linear(64, rows), torch.nn.Linear(64, rows)
+    with torch.no_grad():
+        transposed.weight = torch.nn.Parameter(conv1d.t())
+        row_major.weight.copy_(conv1d.t().contiguous())
+        row_major.bias.copy_(transposed.bias)
+    assert not transposed.weight.is_contiguous() and torch.equal(transposed.weight, row_major.weight)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        assert torch.equal(engine.PackedLinear(transposed)(x), engine.PackedLinear(row_major)(x))
+        assert torch.equal(engine._contiguous(transposed.weight), row_major.weight)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_linear_layers_are_packed_in_float32_and_in_bfloat16_only_where_the_cpu_computes_it(dtype, cpu_bf16,
                                                                                          monkeypatch):
