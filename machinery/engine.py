@@ -285,10 +285,10 @@ def calibrate(model, most):
     """The most rows (up to most) that one decoding pass of model may hold on this CPU with each row's result
     the one it gets alone, measured on the model's RowsLinear layers; each one's min_rows set on the way.
     oneDNN blocks a product by its number of rows, and blockings round differently: on a CPU with AMX, its AMX
-    kernel computes GPT-2's bfloat16 (2304, 768) one way up to 32 rows and another beyond, and some shapes
-    switch at 9 rows. One random row repeated n times gives n times the row's own result exactly
-    when the algorithm for n rows rounds as the one for a row alone (an algorithm that sums in another order
-    changes some of the bits). Shapes are measured once each; a few milliseconds a shape and row count."""
+    kernel computes GPT-2's bfloat16 products one way up to 32 rows and another beyond; with AVX-512 BF16 and no
+    AMX, GPT-2's 3072 -> 768 rounds a lone row otherwise than 12 to 31 rows (a lone row padded to 4 rows, as
+    they do). A product of n probe rows (_probe_rows) is compared with each of its rows alone. Shapes are
+    measured once each; a few milliseconds a shape and row count."""
     limit, measured = most, {}
     for m in model.modules():
         if isinstance(m, RowsLinear):
@@ -300,18 +300,46 @@ def calibrate(model, most):
     return limit
 
 
+PROBED = 256  # outputs of a layer whose sums its calibration rows nearly cancel (_probe_rows)
+PROBES = 512  # probed outputs, at least, in each comparison of calibrate's
+
+
 def _rows_alone(linear, most):
     """(min_rows, the most rows up to most whose product gives each row its result alone) of a RowsLinear."""
-    row = torch.randn(1, linear.weight.size(1), generator=torch.Generator().manual_seed(0)).to(linear.weight.dtype)
+    probe = _probe_rows(linear)
     linear.min_rows = RowsLinear.MIN_ROWS
-    alone = linear(row)
+    alone = torch.cat([linear(row) for row in probe.split(1)])
     linear.min_rows = 1
-    if not torch.equal(linear(row), alone):
+    if not torch.equal(torch.cat([linear(row) for row in probe.split(1)]), alone):
         linear.min_rows = RowsLinear.MIN_ROWS
     for n in range(2, most + 1):
-        if not torch.equal(linear(row.expand(n, -1).contiguous()), alone.expand(n, -1)):
+        # n rows at a time, each probe row in one product at least (n > len(probe): the probes over again)
+        order = torch.arange(-(-max(n, len(probe)) // n) * n) % len(probe)
+        if any(not torch.equal(linear(probe[rows]), alone[rows]) for rows in order.split(n)):
             return linear.min_rows, n - 1
     return linear.min_rows, most
+
+
+def _probe_rows(linear):
+    """Rows of inputs to linear whose outputs nearly cancel in its first PROBED outputs, bias included: each
+    is a small difference of large terms there, so two orders of summing it round otherwise about 2 % of the
+    time, against 0.01 % for random rows' outputs (measured, bfloat16: BENCHMARKS.md): a few such rows show
+    a difference that random rows would need thousands of to show. As many rows as make PROBES probed
+    outputs. Random rows where the weights leave no such rows (too few inputs, a singular block)."""
+    out_features, in_features = linear.weight.shape
+    probed = min(PROBED, out_features, in_features // 3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(-(-PROBES // max(probed, 1)), in_features, generator=g, dtype=torch.float64)
+    if probed:
+        w = linear.weight.detach()[:probed].double()
+        bias = linear.bias.detach()[:probed, None].double() if linear.bias is not None else 0
+        # the first 2 * probed inputs solved for (the least such, for a well-conditioned system), the others
+        # random: the first `probed` outputs 0 before x is rounded to the dtype
+        a = w[:, :2 * probed]
+        solved = (a.T @ torch.linalg.solve_ex(a @ a.T, -(w[:, 2 * probed:] @ x[:, 2 * probed:].T) - bias)[0]).T
+        if solved.isfinite().all() and solved.abs().max() < 2 ** 8:
+            x[:, :2 * probed] = solved
+    return x.to(linear.weight.dtype)
 
 
 def prepare(model, device, dtype, compile=False, quantize=None):

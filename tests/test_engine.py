@@ -137,9 +137,10 @@ def scored(runner, requests):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_a_requests_scores_do_not_depend_on_how_many_rows_decode_with_it(dtype):
     """40 seeded requests decoding together (more rows than oneDNN computes with one algorithm on a CPU with AMX:
-    its bfloat16 products of more than 32 rows of GPT-2's width take AMX tiles, which round otherwise; there,
-    without the engine's calibrate, 11 of these 40 requests scored differently): every request's tokens and
-    log-probabilities, bit for bit, are the ones it gets alone."""
+    its bfloat16 products of more than 32 rows of GPT-2's width block otherwise, and round otherwise; there,
+    without the engine's calibrate, 11 of these 40 requests scored differently; with AVX-512 BF16 and no AMX,
+    one did while calibrate probed with one random row): every request's tokens and log-probabilities, bit
+    for bit, are the ones it gets alone."""
     model = engine.prepare(small_model(n_embd=768, n_layer=1, vocab_size=300, block_size=64), "cpu", dtype)
     runner = engine.Engine(model, Tokens(300), max_batch=40)
     g = torch.Generator().manual_seed(1)
@@ -183,6 +184,49 @@ def test_decoding_passes_hold_only_as_many_rows_as_the_kernels_compute_as_each_r
     assert [scored(runner, [r])[0] for r in requests] == together
     runner.pass_rows = 12  # as the engine ran before calibrate: the same requests then score otherwise
     assert scored(runner, requests) != together
+
+
+def in_lanes(terms):
+    """The sums of terms' last dimension as a vector kernel makes them: 16 float32 lanes, each adding its terms in
+    turn (one rounding a step, as a loop of FMAs), then the lanes."""
+    lanes = terms.unflatten(-1, (-1, 16))
+    total = torch.zeros(lanes.shape[:-2] + (16,))
+    for step in lanes.unbind(-2):
+        total = total + step
+    return total.sum(-1)
+
+
+class SumsInBlocks(engine.RowsLinear):
+    """A bfloat16 layer whose products of more than 5 rows sum the two halves of the inputs apart, then add them
+    (another blocking), where fewer rows sum them whole; both in_lanes, both rounded to bfloat16: they differ only
+    where float32's last bits change a rounding."""
+
+    def product(self, x):
+        terms = x.float()[:, None, :] * self.weight.float()
+        if len(x) <= 5:
+            y = in_lanes(terms)
+        else:
+            half = terms.shape[-1] // 2
+            y = in_lanes(terms[..., :half]) + in_lanes(terms[..., half:])
+        return (y + self.bias.float()).to(torch.bfloat16)
+
+
+def test_calibrate_sees_another_blocking_that_random_rows_hardly_show():
+    """SumsInBlocks's products of 6 rows round otherwise than each row alone in under 0.05 % of the outputs of
+    random rows (a few of 24,576: one random row, as calibrate probed before, would most often show none), and
+    in over 1 % of those of calibrate's probe rows (_probe_rows); calibrate finds that a pass may hold 5 rows."""
+    torch.manual_seed(0)
+    layer = SumsInBlocks(torch.nn.Linear(1024, 256).to(torch.bfloat16))
+    layer.min_rows = 1
+
+    def differing(rows):  # outputs of a product of 6 of rows unlike the same rows' alone
+        with torch.no_grad():
+            return sum((layer(six) != torch.cat([layer(row) for row in six.split(1)])).sum().item()
+                       for six in rows.split(6))
+
+    random_rows, probes = torch.randn(96, 1024).to(torch.bfloat16), engine._probe_rows(layer).repeat(3, 1)
+    assert len(probes) == 6 and differing(random_rows) < 0.0005 * 96 * 256 and differing(probes) > 0.01 * 6 * 256
+    assert engine.calibrate(torch.nn.Sequential(layer), 8) == 5
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
