@@ -36,6 +36,7 @@ uncached model would.
 """
 
 import collections
+import math
 import secrets
 import sys
 import threading
@@ -301,7 +302,8 @@ def calibrate(model, most):
 
 
 PROBED = 256  # outputs of a layer whose sums its calibration rows nearly cancel (_probe_rows)
-PROBES = 512  # probed outputs, at least, in each comparison of calibrate's
+PROBES = 512  # probed outputs in each comparison of calibrate's (one other output counts 1/200 of one: measured)
+PROBE_ROWS = 16  # rows at most (a small layer's: cheap products, but so many of them)
 
 
 def _rows_alone(linear, most):
@@ -325,11 +327,13 @@ def _probe_rows(linear):
     is a small difference of large terms there, so two orders of summing it round otherwise about 2 % of the
     time, against 0.01 % for random rows' outputs (measured, bfloat16: BENCHMARKS.md): a few such rows show
     a difference that random rows would need thousands of to show. As many rows as make PROBES probed
-    outputs. Random rows where the weights leave no such rows (too few inputs, a singular block)."""
+    outputs, up to PROBE_ROWS. Random rows where the weights leave no such rows (too few inputs, a singular
+    block)."""
     out_features, in_features = linear.weight.shape
     probed = min(PROBED, out_features, in_features // 3)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(-(-PROBES // max(probed, 1)), in_features, generator=g, dtype=torch.float64)
+    rows = min(math.ceil(PROBES / (probed + (out_features - probed) / 200)), PROBE_ROWS)
+    x = torch.randn(rows, in_features, generator=g, dtype=torch.float64)
     if probed:
         w = linear.weight.detach()[:probed].double()
         bias = linear.bias.detach()[:probed, None].double() if linear.bias is not None else 0
