@@ -309,10 +309,13 @@ PROBE_ROWS = 16  # rows at most (a small layer's: cheap products, but so many of
 def _rows_alone(linear, most):
     """(min_rows, the most rows up to most whose product gives each row its result alone) of a RowsLinear."""
     probe = _probe_rows(linear)
-    linear.min_rows = RowsLinear.MIN_ROWS
-    alone = torch.cat([linear(row) for row in probe.split(1)])
-    linear.min_rows = 1
-    if not torch.equal(torch.cat([linear(row) for row in probe.split(1)]), alone):
+
+    def each_alone(min_rows):  # each probe row's product alone, a lone row padded to min_rows
+        linear.min_rows = min_rows
+        return torch.cat([linear(row) for row in probe.split(1)])
+
+    alone = each_alone(RowsLinear.MIN_ROWS)
+    if not torch.equal(each_alone(1), alone):
         linear.min_rows = RowsLinear.MIN_ROWS
     for n in range(2, most + 1):
         # n rows at a time, each probe row in one product at least (n > len(probe): the probes over again)
