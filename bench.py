@@ -86,6 +86,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
+
 import numpy as np
 import torch
 

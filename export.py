@@ -43,6 +43,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
+import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
 from machinery import checkpoint, configurator, convert, gguf_export, loading, lora
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main

@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
+import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
 from machinery import configurator, engine, loading, talk
 from machinery.configurator import setting
 from machinery.errors import UserError, exit_without_teardown, run_main

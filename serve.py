@@ -26,6 +26,7 @@ import socket
 from dataclasses import dataclass
 from typing import Optional
 
+import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
 from machinery import configurator, engine, loading, openai_api
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main

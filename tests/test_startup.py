@@ -5,13 +5,15 @@ tiktoken's own format instead of being rebuilt from its BPE files at every start
 import hashlib
 import inspect
 import re
+import subprocess
+import sys
 
 import pytest
 import tiktoken
 import tiktoken_ext.openai_public
 import torch
 
-from conftest import perturb
+from conftest import ROOT, perturb
 from machinery import tokenizer
 from model import GPT, GPTConfig
 
@@ -85,3 +87,25 @@ def test_a_damaged_gpt2_cache_is_built_again_from_the_bpe_files(fresh_gpt2):
     tokenizer._gpt2 = None
     assert tokenizer.gpt2_encoding().encode_ordinary(TEXT) == expected
     assert fresh_gpt2.read_bytes() == good
+
+
+def test_torch_is_imported_with_the_collector_paused_and_the_collector_runs_again_after():
+    """In a fresh Python (this one has torch already): importing machinery.torch_import imports torch with no
+    collection while torch's modules run (gc.callbacks count those whose stack is in torch's files: a plain
+    `import torch` has hundreds), and afterwards the collector is on and collects as before."""
+    code = ("import gc, os, sys\n"
+            "inside, after = [], []\n"
+            "def seen(phase, info):\n"
+            "    frame = sys._getframe(1)\n"
+            "    while frame and os.sep + 'torch' + os.sep not in frame.f_code.co_filename:\n"
+            "        frame = frame.f_back\n"
+            "    (inside if frame else after).append(phase)\n"
+            "gc.callbacks.append(seen)\n"
+            "import machinery.torch_import\n"
+            "after.clear()\n"
+            "cycles = [[] for _ in range(10000)]\n"
+            "for c in cycles: c.append(c)\n"
+            "print(len(inside), 'torch' in sys.modules, gc.isenabled(), len(after) > 0)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "True", "True", "True"]
