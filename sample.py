@@ -31,6 +31,7 @@ from typing import Optional
 
 import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
 from machinery import configurator, engine, loading, talk
+from machinery.calibration_cache import CalibrationCache
 from machinery.configurator import setting
 from machinery.errors import UserError, exit_without_teardown, run_main
 from machinery.fileio import read_text
@@ -112,7 +113,8 @@ def main(argv=None):
     model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
     print(describe(loaded.device, loaded.dtype), file=sys.stderr)  # (stdout is the samples' alone)
     runner = engine.Engine(model, tokenizer, loaded.device, max_batch=1 if cfg.chat else cfg.num_samples,
-                           use_cache=cfg.use_cache, compile=cfg.compile, prefix_cache_mb=cfg.prefix_cache_mb)
+                           use_cache=cfg.use_cache, compile=cfg.compile, prefix_cache_mb=cfg.prefix_cache_mb,
+                           calibration=CalibrationCache())
     if cfg.chat:
         talk.converse(cfg, runner, tokenizer)
     else:

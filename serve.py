@@ -28,6 +28,7 @@ from typing import Optional
 
 import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
 from machinery import configurator, engine, loading, openai_api
+from machinery.calibration_cache import CalibrationCache
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 
@@ -84,7 +85,7 @@ def build(cfg):
     model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
     runner = engine.Engine(model, loaded.tokenizer, loaded.device, cfg.max_batch, cfg.max_waiting,
                            prefill_chunk=cfg.prefill_chunk, stall_timeout=cfg.stream_timeout, compile=cfg.compile,
-                           prefix_cache_mb=cfg.prefix_cache_mb)
+                           prefix_cache_mb=cfg.prefix_cache_mb, calibration=CalibrationCache())
     limits = openai_api.Limits(cfg.max_tokens, cfg.max_n, cfg.max_body)
     server = openai_api.Server(runner, loaded.tokenizer, cfg.served_name, limits, cfg.api_key, loaded.data_meta.chat)
     return server, loaded

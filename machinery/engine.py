@@ -49,6 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from machinery import decode, hardware
+from machinery.calibration_cache import layer_key
 from machinery import quantize as quantization
 from machinery.errors import first_line
 from machinery.prefix_cache import PrefixCache
@@ -244,7 +245,16 @@ class RowsLinear(nn.Module):
         super().__init__()
         self.weight = linear.weight  # (tied to the token embedding in lm_head)
         self.bias = linear.bias
+        self.out_features, self.in_features = linear.weight.shape
         self.min_rows = self.MIN_ROWS
+
+    @property
+    def dtype(self):
+        return self.weight.dtype
+
+    def weight_rows(self, n):
+        """The weight's first n rows (n outputs'), as a plain tensor."""
+        return self.weight.detach()[:n]
 
     def product(self, x):
         return F.linear(x, self.weight, self.bias)
@@ -261,11 +271,24 @@ class PackedLinear(RowsLinear):
     """A RowsLinear whose weight is prepacked for oneDNN (the CPU's inference format): the same products, faster
     at the few rows of decoding (BENCHMARKS.md), and oneDNN's kernel is fastest at 4 rows (measured on AMD:
     bfloat16 16.5 ms against 19.3 for one row, float32 25.5 against 30.5, GPT-2 124M's matrices; where the CPU
-    has AMX a bfloat16 row alone is as fast, and calibrate leaves it unpadded: a millisecond a token)."""
+    has AMX a bfloat16 row alone is as fast, and calibrate leaves it unpadded: a millisecond a token). The weight
+    is packed in dtype (linear's own by default) and only the packed copy is kept (prepare converts each matrix
+    and packs it in turn, so the model is never held unpacked in dtype as well: 170 MB for GPT-2 124M)."""
 
-    def __init__(self, linear):
-        super().__init__(linear)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(_contiguous(linear.weight.detach()), None)
+    def __init__(self, linear, dtype=None):
+        nn.Module.__init__(self)
+        weight = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(_contiguous(weight.to(dtype or weight.dtype)), None)
+        self.bias = linear.bias
+        self.out_features, self.in_features = weight.shape
+        self.min_rows = self.MIN_ROWS
+
+    @property
+    def dtype(self):
+        return self.packed.dtype
+
+    def weight_rows(self, n):
+        return self.packed.to_dense()[:n]  # (oneDNN's reorder back: calibrate's, once a shape)
 
     def product(self, x):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -282,22 +305,29 @@ def _contiguous(weight):
 
 
 @torch.inference_mode()
-def calibrate(model, most):
+def calibrate(model, most, cache=None):
     """The most rows (up to most) that one decoding pass of model may hold on this CPU with each row's result
     the one it gets alone, measured on the model's RowsLinear layers; each one's min_rows set on the way.
     oneDNN blocks a product by its number of rows, and blockings round differently: on a CPU with AMX, its AMX
     kernel computes GPT-2's bfloat16 products one way up to 32 rows and another beyond; with AVX-512 BF16 and no
     AMX, GPT-2's 3072 -> 768 rounds a lone row otherwise than 12 to 31 rows (a lone row padded to 4 rows, as
     they do). A product of n probe rows (_probe_rows) is compared with each of its rows alone. Shapes are
-    measured once each; a few milliseconds a shape and row count."""
+    measured once each; a few milliseconds a shape and row count. cache: a CalibrationCache, whose
+    measurements of this machine are taken instead of measuring again, and which keeps the new ones."""
     limit, measured = most, {}
     for m in model.modules():
         if isinstance(m, RowsLinear):
-            key = (type(m), tuple(m.weight.shape), m.weight.dtype, m.bias is not None)
+            key = layer_key(m)
             if key not in measured:
-                measured[key] = _rows_alone(m, most)
+                measured[key] = cache and cache.get(m, most)
+                if measured[key] is None:
+                    measured[key] = _rows_alone(m, most)
+                    if cache:
+                        cache.put(m, most, *measured[key])
             m.min_rows = measured[key][0]
             limit = min(limit, measured[key][1])
+    if cache:
+        cache.save()
     return limit
 
 
@@ -332,13 +362,13 @@ def _probe_rows(linear):
     a difference that random rows would need thousands of to show. As many rows as make PROBES probed
     outputs, up to PROBE_ROWS. Random rows where the weights leave no such rows (too few inputs, a singular
     block)."""
-    out_features, in_features = linear.weight.shape
+    out_features, in_features = linear.out_features, linear.in_features
     probed = min(PROBED, out_features, in_features // 3)
     g = torch.Generator().manual_seed(0)
     rows = min(math.ceil(PROBES / (probed + (out_features - probed) / 200)), PROBE_ROWS)
     x = torch.randn(rows, in_features, generator=g, dtype=torch.float64)
     if probed:
-        w = linear.weight.detach()[:probed].double()
+        w = linear.weight_rows(probed).double()
         bias = linear.bias.detach()[:probed, None].double() if linear.bias is not None else 0
         # the first 2 * probed inputs solved for (the least such, for a well-conditioned system), the others
         # random: the first `probed` outputs 0 before x is rounded to the dtype
@@ -346,7 +376,7 @@ def _probe_rows(linear):
         solved = (a.T @ torch.linalg.solve_ex(a @ a.T, -(w[:, 2 * probed:] @ x[:, 2 * probed:].T) - bias)[0]).T
         if solved.isfinite().all() and solved.abs().max() < 2 ** 8:
             x[:, :2 * probed] = solved
-    return x.to(linear.weight.dtype)
+    return x.to(linear.dtype)
 
 
 def prepare(model, device, dtype, compile=False, quantize=None):
@@ -356,16 +386,28 @@ def prepare(model, device, dtype, compile=False, quantize=None):
     engine will compile it (Engine(compile=True)), so nothing is prepacked: inductor packs weights itself
     (whether a row's result then depends on the others is up to its kernels). quantize="int8": int8 weights for
     the linear layers that take them (machinery/quantize.py), before either."""
-    model = quantization.quantize(model.eval().to(device=device, dtype=hardware.DTYPES[dtype]), quantize)
+    on_cpu, model = torch.device(device).type == "cpu", model.eval()
+    if on_cpu and not compile and not quantize and can_pack(dtype):
+        # each matrix converted and packed in turn, before the rest is converted: no unpacked copy in dtype made
+        # of them all at once (the output layer, which is the token embedding's matrix, is packed after)
+        for module, name, linear in _linear_layers(model, shared=False):
+            setattr(module, name, PackedLinear(linear, hardware.DTYPES[dtype]))
+    model = quantization.quantize(model.to(device=device, dtype=hardware.DTYPES[dtype]), quantize)
     if compile:
         return model
-    if torch.device(device).type == "cpu":
+    if on_cpu:
         rows_linear = PackedLinear if can_pack(dtype) else RowsLinear
-        for module in list(model.modules()):
-            for name, child in list(module.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(module, name, rows_linear(child))
+        for module, name, linear in _linear_layers(model):
+            setattr(module, name, rows_linear(linear))
     return model
+
+
+def _linear_layers(model, shared=True):
+    """(parent, name, layer) of model's nn.Linear layers; shared=False: not those whose weight is also another
+    module's (an output layer tied to the token embedding)."""
+    holders = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return [(module, name, child) for module in model.modules() for name, child in module.named_children()
+            if type(child) is nn.Linear and (shared or holders[id(child.weight)] == 1)]
 
 
 def can_pack(dtype):
@@ -389,10 +431,12 @@ class Engine:
     step, in shapes that never change (machinery/decode.py; None: on CUDA, where it runs as a CUDA graph);
     compile: torch.compile the fixed step (static shapes: one graph), else the model in place (dynamic shapes);
     prefix_cache_mb: the prefix cache's budget (machinery/prefix_cache.py; 0: none), which also keeps the rows of
-    paused generations, and of rows that have run a quantum, while waiting requests take their slots."""
+    paused generations, and of rows that have run a quantum, while waiting requests take their slots;
+    calibration: a CalibrationCache that calibrate's measurements are taken from and kept in (None: measured)."""
 
     def __init__(self, model, tokenizer, device="cpu", max_batch=32, max_waiting=256, use_cache=True,
-                 prefill_chunk=64, stall_timeout=60.0, fixed=None, compile=False, prefix_cache_mb=0):
+                 prefill_chunk=64, stall_timeout=60.0, fixed=None, compile=False, prefix_cache_mb=0,
+                 calibration=None):
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.vocab = tokenizer.vocab_size  # the tokenizer's ids: a padded vocabulary's extra rows are never drawn
         self.block_size = model.config.block_size
@@ -403,7 +447,7 @@ class Engine:
             model.compile(dynamic=True)  # in place: the engine's calls to the model run compiled
         self.max_batch, self.max_waiting, self.use_cache = max_batch, max_waiting, use_cache
         # the rows one decoding pass may hold (more are decoded in several passes): every row's result its own
-        self.pass_rows = max_batch if self.fixed else calibrate(model, max_batch)
+        self.pass_rows = max_batch if self.fixed else calibrate(model, max_batch, calibration)
         self.prefill_chunk, self.stall_timeout = prefill_chunk, stall_timeout
         self.waiting, self.rows = collections.deque(), []
         self.cache = PrefixCache(self.slots, prefill_chunk, prefix_cache_mb) if prefix_cache_mb and use_cache else None

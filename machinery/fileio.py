@@ -57,6 +57,12 @@ def remove_stale_temps(directory, names=None):
             os.remove(os.path.join(directory, entry))
 
 
+def cache_path(name):
+    """Where the project keeps the cache file name: $XDG_CACHE_HOME (or ~/.cache) /nanogpt/name."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "nanogpt", name)
+
+
 def read_text(path, what, fix):
     """The text of a UTF-8 file; one that cannot be opened or is not UTF-8 is a one-line error naming what the
     file is for (e.g. "--text") and the fix."""

@@ -25,7 +25,7 @@ import importlib.util
 import os
 
 from machinery.errors import UserError
-from machinery.fileio import atomic_write
+from machinery.fileio import atomic_write, cache_path
 
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
@@ -205,8 +205,7 @@ def _local_gpt2_files():
 
 def gpt2_ranks_cache():
     """Where GPT-2's ranks are cached, in tiktoken's .tiktoken format ($XDG_CACHE_HOME or ~/.cache, nanogpt/)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "nanogpt", "gpt2.tiktoken")
+    return cache_path("gpt2.tiktoken")
 
 
 def _cached_gpt2_ranks():

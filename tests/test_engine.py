@@ -2,6 +2,7 @@
 depend on what else runs."""
 
 import contextlib
+import copy
 import types
 
 import pytest
@@ -514,15 +515,37 @@ def test_packed_linear_takes_a_transposed_weight_as_its_row_major_copy(rows):
         assert torch.equal(engine._contiguous(transposed.weight), row_major.weight)
 
 
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=ONEDNN_BF16)])
+def test_prepare_packs_each_matrix_as_it_converts_it_and_keeps_no_unpacked_copy(dtype):
+    """prepare converts each linear layer's matrix to dtype and packs it in turn (some as transposed views, as a
+    Hugging Face GPT-2's load): the logits are bit for bit those of the whole model converted first and each
+    layer packed after, and the prepared model holds no linear layer's matrix unpacked: its only matrices are
+    the embeddings (the output layer's packed from the token embedding's, after its conversion)."""
+    model = small_model()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.ffwd.fc.weight = torch.nn.Parameter(block.ffwd.fc.weight.t().contiguous().t())
+    expected = copy.deepcopy(model).to(getattr(torch, dtype)).eval()
+    for module, name, linear in engine._linear_layers(expected):
+        setattr(module, name, engine.PackedLinear(linear))
+    prepared = engine.prepare(model, "cpu", dtype)
+    idx = torch.randint(0, 70, (3, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(prepared(idx)[0], expected(idx)[0])
+    assert sum(isinstance(m, engine.PackedLinear) for m in prepared.modules()) == 4 * 2 + 1
+    assert [name for name, p in prepared.named_parameters() if p.dim() > 1] == ["tok_emb.weight", "pos_emb.weight"]
+    assert {p.dtype for p in prepared.parameters()} == {getattr(torch, dtype)}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_linear_layers_are_packed_in_float32_and_in_bfloat16_only_where_the_cpu_computes_it(dtype, cpu_bf16,
                                                                                          monkeypatch):
     """The packing decision under both answers of hardware.cpu_native (cpu_bf16), whatever this CPU is:
     float32 is always packed; bfloat16 only where native (elsewhere oneDNN would convert every product)."""
     class Packed(torch.nn.Module):  # stands in for PackedLinear, which cannot pack bfloat16 on every CPU
-        def __init__(self, linear):
+        def __init__(self, linear, dtype=None):
             super().__init__()
-            self.linear = linear
+            self.bias = linear.bias  # (its weight packed: not a parameter any more)
 
     monkeypatch.setattr(engine, "PackedLinear", Packed)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # oneDNN could pack it

@@ -4,6 +4,7 @@ tiktoken's own format instead of being rebuilt from its BPE files at every start
 
 import hashlib
 import inspect
+import json
 import re
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import tiktoken_ext.openai_public
 import torch
 
 from conftest import ROOT, perturb
-from machinery import tokenizer
+from machinery import calibration_cache, engine, tokenizer
+from machinery.calibration_cache import CalibrationCache
 from model import GPT, GPTConfig
 
 CONFIG = dict(block_size=16, vocab_size=70, n_layer=2, n_head=2, n_embd=32, bias=True)
@@ -109,3 +111,81 @@ def test_torch_is_imported_with_the_collector_paused_and_the_collector_runs_agai
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "True", "True", "True"]
+
+
+def calibrated_engine(cache, max_batch):
+    """An Engine over a small model, packed on this CPU (float32), calibrated with cache."""
+    from test_engine import Tokens, small_model
+
+    return engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=max_batch,
+                         calibration=cache)
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """The layers engine.calibrate measures (each shape's first), as they are measured."""
+    layers, rows_alone = [], engine._rows_alone
+
+    def counting(linear, most):
+        layers.append(calibration_cache.layer_key(linear))
+        return rows_alone(linear, most)
+    monkeypatch.setattr(engine, "_rows_alone", counting)
+    return layers
+
+
+def test_calibration_is_measured_once_on_a_machine_and_read_from_its_file_after(tmp_path, measured):
+    """The first engine measures its model's five shapes (64 -> 192, 64 -> 64, 64 -> 256, 256 -> 64 and the output
+    layer's 64 -> 70) and writes them; the next engines, for as many rows or fewer, measure nothing
+    and get the same answers; one that may hold more rows than were measured measures again."""
+    path = tmp_path / "calibration.json"
+    first = calibrated_engine(CalibrationCache(path), 8)
+    assert len(measured) == 5 and path.exists()
+    rows = {k: v["min_rows"] for k, v in json.loads(path.read_text())["layers"].items()}
+    measured.clear()
+    for max_batch in (8, 3):
+        again = calibrated_engine(CalibrationCache(path), max_batch)
+        assert measured == [] and again.pass_rows == min(first.pass_rows, max_batch)
+        assert {calibration_cache.layer_key(m): m.min_rows for m in again.model.modules()
+                if isinstance(m, engine.RowsLinear)} == rows
+    calibrated_engine(CalibrationCache(path), 12)
+    assert len(measured) == 5
+
+
+def test_what_the_file_says_is_what_the_engine_takes(tmp_path, measured):
+    """A file written here by hand (this machine, each shape rounding otherwise beyond 3 rows, a lone row padded
+    to 4) decides the engine's passes without a measurement; a file of another machine (a thread more), or a
+    damaged one, is measured again and written anew."""
+    path = tmp_path / "calibration.json"
+    probe = calibrated_engine(None, 2)
+    keys = {calibration_cache.layer_key(m) for m in probe.model.modules() if isinstance(m, engine.RowsLinear)}
+    layers = {key: {"min_rows": 4, "limit": 3, "measured": 8} for key in keys}
+    path.write_text(json.dumps({"machine": calibration_cache.machine(), "layers": layers}))
+    measured.clear()
+    runner = calibrated_engine(CalibrationCache(path), 32)
+    assert measured == [] and runner.pass_rows == 3
+    assert {m.min_rows for m in runner.model.modules() if isinstance(m, engine.RowsLinear)} == {4}
+    other = dict(calibration_cache.machine(), threads=torch.get_num_threads() + 1)
+    for text in (json.dumps({"machine": other, "layers": layers}), "{not json", json.dumps({"machine": 1})):
+        path.write_text(text)
+        measured.clear()
+        assert calibrated_engine(CalibrationCache(path), 4).pass_rows == 4 and len(measured) == 5
+        assert json.loads(path.read_text())["machine"] == calibration_cache.machine()
+
+
+def test_the_machine_is_named_by_the_cpu_the_build_the_threads_and_the_kernel_settings(monkeypatch):
+    here = calibration_cache.machine()
+    assert here["torch"] == torch.__version__ and here["threads"] == torch.get_num_threads()
+    assert here["cpu"]["flags"] == next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(
+        ":", 1)[1].strip()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert calibration_cache.machine() == dict(here, environment={**here["environment"], "ONEDNN_MAX_CPU_ISA": "AVX2"})
+
+
+def test_a_calibration_that_cannot_be_written_is_measured_again_next_time(tmp_path, measured):
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / "calibration.json"  # (its directory is a file: nothing can be written there)
+    assert calibrated_engine(CalibrationCache(path), 4).pass_rows == 4
+    assert len(measured) == 5 and not path.exists()
+    measured.clear()
+    calibrated_engine(CalibrationCache(path), 4)
+    assert len(measured) == 5
