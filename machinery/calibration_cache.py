@@ -4,10 +4,10 @@ measuring GPT-2's five shapes takes 0.1-0.2 s of every start, and the answer is 
 A layer's entry (keyed by its class, weight shape, dtype and bias) holds the min_rows calibrate set, the most rows
 it found a pass may hold, and the most rows it measured up to: a later engine takes it where that answers its own
 max_batch, and measures otherwise. The whole file belongs to one machine, named by what decides oneDNN's and
-PyTorch's choice of kernels: the CPU (vendor, family, model and flags, /proc/cpuinfo), the torch build (which bundles oneDNN), the
-threads, the CPU capability PyTorch dispatches to, and the environment variables that cap or tune them
-(ONEDNN_*, DNNL_*, ATEN_CPU_CAPABILITY, OMP_*, MKL_*). Anything else, and the file is ignored and written anew;
-where the CPU cannot be named (no /proc/cpuinfo), nothing is kept and calibrate measures every time.
+PyTorch's choice of kernels: the CPU (vendor, family, model and flags, /proc/cpuinfo), the torch build (which
+bundles oneDNN), the threads, the CPU capability PyTorch dispatches to, and the environment variables that cap or
+tune them (ONEDNN_*, DNNL_*, ATEN_CPU_CAPABILITY, OMP_*, MKL_*). Anything else, and the file is ignored and
+written anew; where the CPU cannot be named (no /proc/cpuinfo), nothing is kept and calibrate measures every time.
 
 The file is $XDG_CACHE_HOME (or ~/.cache) /nanogpt/calibration.json, written atomically; a file that cannot be
 read or written only makes the next start measure again."""
@@ -59,7 +59,8 @@ class CalibrationCache:
         try:
             with open(self.path, encoding="utf-8") as f:
                 data = json.load(f)
-            return data["layers"] if data["machine"] == self.machine else {}
+            layers = data["layers"]
+            return layers if data["machine"] == self.machine and isinstance(layers, dict) else {}
         except (OSError, ValueError, TypeError, KeyError):
             return {}
 
@@ -67,8 +68,8 @@ class CalibrationCache:
         """(min_rows, the most rows up to most that a pass may hold) for linear, or None where not measured up to
         most here."""
         entry = self.layers.get(layer_key(linear))
-        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), int) for k in ("min_rows", "limit",
-                                                                                            "measured")):
+        if not isinstance(entry, dict) or not all(type(entry.get(k)) is int and entry[k] >= 1
+                                                  for k in ("min_rows", "limit", "measured")):
             return None
         if entry["limit"] < entry["measured"]:  # a pass of limit + 1 rows rounds otherwise: the answer for any most
             return entry["min_rows"], min(entry["limit"], most)

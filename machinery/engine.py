@@ -49,8 +49,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from machinery import decode, hardware
-from machinery.calibration_cache import layer_key
 from machinery import quantize as quantization
+from machinery.calibration_cache import layer_key
 from machinery.errors import first_line
 from machinery.prefix_cache import PrefixCache
 from model import attention_backends, sample_next
@@ -319,7 +319,7 @@ def calibrate(model, most, cache=None):
         if isinstance(m, RowsLinear):
             key = layer_key(m)
             if key not in measured:
-                measured[key] = cache and cache.get(m, most)
+                measured[key] = cache.get(m, most) if cache else None
                 if measured[key] is None:
                     measured[key] = _rows_alone(m, most)
                     if cache:

@@ -165,7 +165,11 @@ def test_what_the_file_says_is_what_the_engine_takes(tmp_path, measured):
     assert measured == [] and runner.pass_rows == 3
     assert {m.min_rows for m in runner.model.modules() if isinstance(m, engine.RowsLinear)} == {4}
     other = dict(calibration_cache.machine(), threads=torch.get_num_threads() + 1)
-    for text in (json.dumps({"machine": other, "layers": layers}), "{not json", json.dumps({"machine": 1})):
+    damaged = (json.dumps({"machine": other, "layers": layers}), "{not json", json.dumps({"machine": 1}),
+               json.dumps({"machine": calibration_cache.machine(), "layers": [1]}),
+               json.dumps({"machine": calibration_cache.machine(), "layers": {k: {"min_rows": 0, "limit": "3",
+                                                                                   "measured": 8} for k in keys}}))
+    for text in damaged:
         path.write_text(text)
         measured.clear()
         assert calibrated_engine(CalibrationCache(path), 4).pass_rows == 4 and len(measured) == 5
