@@ -41,6 +41,7 @@ import secrets
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -297,9 +298,10 @@ class PackedLinear(RowsLinear):
 def _contiguous(weight):
     """weight in row-major order, as oneDNN packs it. A Hugging Face GPT-2's matrices load transposed (its
     Conv1D layout, in x out), and PyTorch copies a transposed matrix in one thread, block by block; seen as 3-d
-    (groups of 16 rows), the same copy is split over the threads (BENCHMARKS.md)."""
+    (groups of 16 rows), the same copy is split over the threads (BENCHMARKS.md), where there are several (in
+    one, the blocked copy is the faster: prepare's workers)."""
     rows, cols = weight.shape
-    if weight.is_contiguous() or rows % 16:
+    if weight.is_contiguous() or rows % 16 or torch.get_num_threads() == 1:
         return weight.contiguous()
     return weight.view(rows // 16, 16, cols).contiguous().view(rows, cols)
 
@@ -388,10 +390,7 @@ def prepare(model, device, dtype, compile=False, quantize=None):
     the linear layers that take them (machinery/quantize.py), before either."""
     on_cpu, model = torch.device(device).type == "cpu", model.eval()
     if on_cpu and not compile and not quantize and can_pack(dtype):
-        # each matrix converted and packed in turn, before the rest is converted: no unpacked copy in dtype made
-        # of them all at once (the output layer, which is the token embedding's matrix, is packed after)
-        for module, name, linear in _linear_layers(model, shared=False):
-            setattr(module, name, PackedLinear(linear, hardware.DTYPES[dtype]))
+        _pack(model, hardware.DTYPES[dtype])  # before the rest is converted: no unpacked copy of them all in dtype
     model = quantization.quantize(model.to(device=device, dtype=hardware.DTYPES[dtype]), quantize)
     if compile:
         return model
@@ -400,6 +399,22 @@ def prepare(model, device, dtype, compile=False, quantize=None):
         for module, name, linear in _linear_layers(model):
             setattr(module, name, rows_linear(linear))
     return model
+
+
+def _pack(model, dtype):
+    """model's linear layers PackedLinear in dtype, each matrix converted and packed on its own, the layers shared
+    out among the threads (each copying and packing a whole layer alone: 0.28 against 0.35 s for GPT-2 124M's 48
+    block matrices, where each layer's copies were split over the threads; BENCHMARKS.md). Not the output layer,
+    whose matrix is the token embedding's: it is packed after the model's conversion, from the converted matrix."""
+    layers, threads = _linear_layers(model, shared=False), torch.get_num_threads()
+    torch.set_num_threads(1)  # (read by each worker's first parallel operation)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            packed = list(pool.map(lambda layer: PackedLinear(layer[2], dtype), layers))
+    finally:
+        torch.set_num_threads(threads)
+    for (module, name, _), layer in zip(layers, packed):
+        setattr(module, name, layer)
 
 
 def _linear_layers(model, shared=True):

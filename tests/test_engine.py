@@ -517,10 +517,11 @@ def test_packed_linear_takes_a_transposed_weight_as_its_row_major_copy(rows):
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=ONEDNN_BF16)])
 def test_prepare_packs_each_matrix_as_it_converts_it_and_keeps_no_unpacked_copy(dtype):
-    """prepare converts each linear layer's matrix to dtype and packs it in turn (some as transposed views, as a
-    Hugging Face GPT-2's load): the logits are bit for bit those of the whole model converted first and each
-    layer packed after, and the prepared model holds no linear layer's matrix unpacked: its only matrices are
-    the embeddings (the output layer's packed from the token embedding's, after its conversion)."""
+    """prepare converts each linear layer's matrix to dtype and packs it on its own, two layers at a time in two
+    threads (some matrices transposed views, as a Hugging Face GPT-2's load), and gives the process its threads
+    back: the logits are bit for bit those of the whole model converted first and each layer packed after, and
+    the prepared model holds no linear layer's matrix unpacked: its only matrices are the embeddings (the output
+    layer's packed from the token embedding's, after its conversion)."""
     model = small_model()
     with torch.no_grad():
         for block in model.blocks:
@@ -528,7 +529,13 @@ def test_prepare_packs_each_matrix_as_it_converts_it_and_keeps_no_unpacked_copy(
     expected = copy.deepcopy(model).to(getattr(torch, dtype)).eval()
     for module, name, linear in engine._linear_layers(expected):
         setattr(module, name, engine.PackedLinear(linear))
-    prepared = engine.prepare(model, "cpu", dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # two workers packing at once (each in one thread), whatever this process runs in
+    try:
+        prepared = engine.prepare(model, "cpu", dtype)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
     idx = torch.randint(0, 70, (3, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(prepared(idx)[0], expected(idx)[0])
