@@ -277,12 +277,10 @@ class PackedLinear(RowsLinear):
     and packs it in turn, so the model is never held unpacked in dtype as well: 170 MB for GPT-2 124M)."""
 
     def __init__(self, linear, dtype=None):
-        nn.Module.__init__(self)
+        super().__init__(linear)
+        del self.weight  # only the packed copy is kept
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(_contiguous(weight.to(dtype or weight.dtype)), None)
-        self.bias = linear.bias
-        self.out_features, self.in_features = weight.shape
-        self.min_rows = self.MIN_ROWS
 
     @property
     def dtype(self):

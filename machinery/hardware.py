@@ -22,8 +22,9 @@ The CPU kinds this knows (cpu_kind), and what is chosen on each (measured: BENCH
     AVX2           float32 (bfloat16 emulated, ~50x slower; --dtype=float16 for one fast stream)
 
 On every kind the generation engine measures at start which rows its products compute alike
-(engine.calibrate; once a machine, kept by machinery/calibration_cache.py). llama.cpp, which the tests and benchmarks run, is built for the kind at hand
-without its AMX kernels (.ci/install-llama-cpp).
+(engine.calibrate; once a machine, kept by machinery/calibration_cache.py). llama.cpp, which the
+tests and benchmarks run, is built for the kind at hand without its AMX kernels
+(.ci/install-llama-cpp).
 """
 
 import os

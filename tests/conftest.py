@@ -383,6 +383,20 @@ def fake_hub(monkeypatch, tmp_path, files, repo_id="HuggingFaceFW/fineweb-edu"):
 
 
 @pytest.fixture
+def calibrations(monkeypatch):
+    """The `most` of each measurement engine.calibrate makes (a layer shape each, _rows_alone), as they are made."""
+    from machinery import engine
+
+    made, rows_alone = [], engine._rows_alone
+
+    def counting(linear, most):
+        made.append(most)
+        return rows_alone(linear, most)
+    monkeypatch.setattr(engine, "_rows_alone", counting)
+    return made
+
+
+@pytest.fixture
 def tf32_off():
     """Both TF32 flags off (cudnn's is on by default), put back as they were after the test (train.py on CUDA turns
     them on for the whole process). By hand: the flags live behind __getattr__/__setattr__, not in a __dict__,

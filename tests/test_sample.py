@@ -233,12 +233,12 @@ def test_compile_true_samples_through_the_compiled_model(char_ckpt, monkeypatch)
     assert compiled == sample_stdout(char_ckpt, *args)
 
 
-def test_sample_py_measures_the_kernels_at_its_first_start_and_reads_them_after(char_ckpt, tmp_path, monkeypatch):
+def test_sample_py_measures_the_kernels_at_its_first_start_and_reads_them_after(char_ckpt, tmp_path, monkeypatch,
+                                                                                  calibrations):
     """The first start calibrates its 5 layer shapes and keeps what it measured in the cache directory; the next
     start measures nothing (the file answers) and prints the same samples."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    measured, rows_alone = [], engine._rows_alone
-    monkeypatch.setattr(engine, "_rows_alone", lambda linear, most: measured.append(most) or rows_alone(linear, most))
+    measured = calibrations
     args = ("--num_samples=3", "--max_new_tokens=12", "--dtype=float32")
     first = sample_stdout(char_ckpt, *args)
     assert measured == [3] * 5 and (tmp_path / "nanogpt" / "calibration.json").exists()

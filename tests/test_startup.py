@@ -121,37 +121,25 @@ def calibrated_engine(cache, max_batch):
                          calibration=cache)
 
 
-@pytest.fixture
-def measured(monkeypatch):
-    """The layers engine.calibrate measures (each shape's first), as they are measured."""
-    layers, rows_alone = [], engine._rows_alone
-
-    def counting(linear, most):
-        layers.append(calibration_cache.layer_key(linear))
-        return rows_alone(linear, most)
-    monkeypatch.setattr(engine, "_rows_alone", counting)
-    return layers
-
-
-def test_calibration_is_measured_once_on_a_machine_and_read_from_its_file_after(tmp_path, measured):
+def test_calibration_is_measured_once_on_a_machine_and_read_from_its_file_after(tmp_path, calibrations):
     """The first engine measures its model's five shapes (64 -> 192, 64 -> 64, 64 -> 256, 256 -> 64 and the output
     layer's 64 -> 70) and writes them; the next engines, for as many rows or fewer, measure nothing
     and get the same answers; one that may hold more rows than were measured measures again."""
     path = tmp_path / "calibration.json"
     first = calibrated_engine(CalibrationCache(path), 8)
-    assert len(measured) == 5 and path.exists()
+    assert len(calibrations) == 5 and path.exists()
     rows = {k: v["min_rows"] for k, v in json.loads(path.read_text())["layers"].items()}
-    measured.clear()
+    calibrations.clear()
     for max_batch in (8, 3):
         again = calibrated_engine(CalibrationCache(path), max_batch)
-        assert measured == [] and again.pass_rows == min(first.pass_rows, max_batch)
+        assert calibrations == [] and again.pass_rows == min(first.pass_rows, max_batch)
         assert {calibration_cache.layer_key(m): m.min_rows for m in again.model.modules()
                 if isinstance(m, engine.RowsLinear)} == rows
     calibrated_engine(CalibrationCache(path), 12)
-    assert len(measured) == 5
+    assert len(calibrations) == 5
 
 
-def test_what_the_file_says_is_what_the_engine_takes(tmp_path, measured):
+def test_what_the_file_says_is_what_the_engine_takes(tmp_path, calibrations):
     """A file written here by hand (this machine, each shape rounding otherwise beyond 3 rows, a lone row padded
     to 4) decides the engine's passes without a measurement; a file of another machine (a thread more), or a
     damaged one, is measured again and written anew."""
@@ -160,9 +148,9 @@ def test_what_the_file_says_is_what_the_engine_takes(tmp_path, measured):
     keys = {calibration_cache.layer_key(m) for m in probe.model.modules() if isinstance(m, engine.RowsLinear)}
     layers = {key: {"min_rows": 4, "limit": 3, "measured": 8} for key in keys}
     path.write_text(json.dumps({"machine": calibration_cache.machine(), "layers": layers}))
-    measured.clear()
+    calibrations.clear()
     runner = calibrated_engine(CalibrationCache(path), 32)
-    assert measured == [] and runner.pass_rows == 3
+    assert calibrations == [] and runner.pass_rows == 3
     assert {m.min_rows for m in runner.model.modules() if isinstance(m, engine.RowsLinear)} == {4}
     other = dict(calibration_cache.machine(), threads=torch.get_num_threads() + 1)
     damaged = (json.dumps({"machine": other, "layers": layers}), "{not json", json.dumps({"machine": 1}),
@@ -171,8 +159,8 @@ def test_what_the_file_says_is_what_the_engine_takes(tmp_path, measured):
                                                                                    "measured": 8} for k in keys}}))
     for text in damaged:
         path.write_text(text)
-        measured.clear()
-        assert calibrated_engine(CalibrationCache(path), 4).pass_rows == 4 and len(measured) == 5
+        calibrations.clear()
+        assert calibrated_engine(CalibrationCache(path), 4).pass_rows == 4 and len(calibrations) == 5
         assert json.loads(path.read_text())["machine"] == calibration_cache.machine()
 
 
@@ -185,11 +173,11 @@ def test_the_machine_is_named_by_the_cpu_the_build_the_threads_and_the_kernel_se
     assert calibration_cache.machine() == dict(here, environment={**here["environment"], "ONEDNN_MAX_CPU_ISA": "AVX2"})
 
 
-def test_a_calibration_that_cannot_be_written_is_measured_again_next_time(tmp_path, measured):
+def test_a_calibration_that_cannot_be_written_is_measured_again_next_time(tmp_path, calibrations):
     (tmp_path / "file").write_text("")
     path = tmp_path / "file" / "calibration.json"  # (its directory is a file: nothing can be written there)
     assert calibrated_engine(CalibrationCache(path), 4).pass_rows == 4
-    assert len(measured) == 5 and not path.exists()
-    measured.clear()
+    assert len(calibrations) == 5 and not path.exists()
+    calibrations.clear()
     calibrated_engine(CalibrationCache(path), 4)
-    assert len(measured) == 5
+    assert len(calibrations) == 5
