@@ -29,8 +29,9 @@ A request that fails (an exception in its forward pass or its sampling) ends alo
 exception outside any request stops the engine (alive is then False: serve.py's /health answers 503).
 
 Decoding runs at the speed of memory (BENCHMARKS.md): the model is converted to the run's dtype instead of
-autocast re-casting its weights at every step; on the CPU the linear layers are prepacked for oneDNN, and
-the KV cache stays in float32, where attention runs. Past block_size a row goes on as nanoGPT's generate
+autocast re-casting its weights at every step; on the CPU the linear layers are prepacked for oneDNN (and
+moved into huge pages once the model has run HUGE_PAGES_AFTER times: machinery/hugepages.py), and the KV cache
+stays in float32, where attention runs. Past block_size a row goes on as nanoGPT's generate
 does: its last block_size tokens are encoded again for every new token, so it sees exactly what the
 uncached model would.
 """
@@ -49,7 +50,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from machinery import decode, hardware
+from machinery import decode, hardware, hugepages
 from machinery import quantize as quantization
 from machinery.calibration_cache import layer_key
 from machinery.errors import first_line
@@ -61,6 +62,9 @@ FINISHED = ("stop", "length", "abort", "error")  # why a generation ended: a sto
 QUANTUM = 16  # tokens a row samples, at least, each time it (re)joins the batch before a waiting request may take its
 # slot (Engine._preempt): a new request waits a few quanta, not until rows that never end (clients that read slowly)
 # have ended, and parking a row (a copy of its keys and values) stays a small part of the work it then does
+HUGE_PAGES_AFTER = 64  # passes of the model (each reads every weight) before the weights move into huge pages on the
+# CPU (machinery/hugepages.py: a token's products then take ~0.87 of their time); the move takes 0.1-0.4 s of a core
+# beside the decoding, which fewer tokens would not gain back
 
 
 @dataclass
@@ -257,6 +261,11 @@ class RowsLinear(nn.Module):
         """The weight's first n rows (n outputs'), as a plain tensor."""
         return self.weight.detach()[:n]
 
+    def memory(self):
+        """(address, bytes) of the weight's memory."""
+        storage = self.weight.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+
     def product(self, x):
         return F.linear(x, self.weight, self.bias)
 
@@ -288,6 +297,9 @@ class PackedLinear(RowsLinear):
 
     def weight_rows(self, n):
         return self.packed.to_dense()[:n]  # (oneDNN's reorder back: calibrate's, once a shape)
+
+    def memory(self):
+        return torch.ops.mkldnn.data_ptr(self.packed), torch.ops.mkldnn._nbytes(self.packed)
 
     def product(self, x):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -470,6 +482,7 @@ class Engine:
         self.tails = collections.deque(maxlen=max_batch)  # (salt, ids) of finished generations, to cache when idle
         self.lock = threading.Condition()
         self.thread, self.stopping, self.failure = None, False, None
+        self.passes, self.huge_pages = 0, None  # the model's passes; the thread that moves the weights to huge pages
 
     # ------------------------------------------------------------------ submitting
 
@@ -584,6 +597,9 @@ class Engine:
             prompts = self._prompts([g for g in ready if len(g.todo) > 1 and not g.done])
             for g in prompts[:1] if decoding else prompts:
                 self._feed([g], min(len(g.todo), self.prefill_chunk))
+        if self.huge_pages is None and self.passes >= HUGE_PAGES_AFTER and self.device.type == "cpu":
+            self.huge_pages = hugepages.collapse_in_background(layer.memory() for layer in self.model.modules()
+                                                               if isinstance(layer, RowsLinear))
 
     def _admit(self):
         """Drop the rows that ended (their slots are free again), end cancelled and stalled ones, and let waiting
@@ -755,6 +771,7 @@ class Engine:
         """The model's float32 logits (B, n or 1, vocab) for the next n tokens of each row (every position's when
         the row's prompt is echoed); one token per row decodes in a fixed step where the engine has one (the
         rows taken out of its logits)."""
+        self.passes += 1
         if self.fixed and n == 1:
             idx, pos = torch.zeros(self.slots.rows, 1, dtype=torch.long), torch.zeros(self.slots.rows, dtype=torch.long)
             for g in self.rows:  # (a row not decoding writes at its next position, which it writes again later)

@@ -1,0 +1,66 @@
+"""Huge pages for the weights (machinery/hugepages.py), and the engine moving its weights there once it has
+run the model often enough to gain the move back."""
+
+import pytest
+import torch
+
+from machinery import engine, hugepages
+from test_engine import Tokens, run, small_model
+
+MIB = 1 << 20
+
+
+def anon_huge_bytes(address):
+    """The bytes of huge pages in the mapping that holds address, as Linux reports them in /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line: start-end perms offset dev ...
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                inside = start <= address < end
+            elif inside and fields[0] == "AnonHugePages:":
+                return int(fields[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_collapse_backs_a_tensors_memory_with_huge_pages_and_keeps_its_contents():
+    values = torch.arange(8 * MIB // 4, dtype=torch.int32)  # 8 MiB, written: its pages exist
+    got = hugepages.collapse([(values.data_ptr(), 8 * MIB)])
+    if got == 0:
+        pytest.skip("this kernel moves no memory into huge pages (MADV_COLLAPSE needs Linux 6.1+, huge pages on)")
+    assert got % hugepages.HUGE_PAGE == 0 and got <= 10 * MIB  # the huge pages the 8 MiB touch: 5 at most
+    assert anon_huge_bytes(values.data_ptr()) >= 3 * 2 * MIB  # 8 MiB hold 3 whole aligned 2 MiB pages at least
+    assert torch.equal(values, torch.arange(8 * MIB // 4, dtype=torch.int32))
+
+
+def test_memory_that_is_not_mapped_is_left_alone():
+    assert hugepages.collapse([(0, 4 * MIB), (4 * MIB, 0)]) == 0  # (madvise fails there: nothing to move)
+
+
+def test_the_engine_moves_every_linear_layers_weight_once_it_has_run_the_model_often_enough(monkeypatch):
+    """Fewer than HUGE_PAGES_AFTER passes of the model move nothing; past them, the engine hands every linear layer's weight
+    memory (oneDNN's packed copy where there is one: its bytes at least the matrix's) to the move, once; the
+    tokens are those of an engine that never moves them."""
+    asked = []
+    monkeypatch.setattr(engine, "HUGE_PAGES_AFTER", 12)
+    monkeypatch.setattr(hugepages, "collapse_in_background", lambda regions: asked.append(list(regions)) or "thread")
+    model = engine.prepare(small_model(), "cpu", "float32")
+    runner = engine.Engine(model, Tokens(70), max_batch=2)
+    first = run(runner, [engine.Request([1, 2], 5, temperature=0), engine.Request([3], 6, temperature=0)])
+    assert asked == [] and runner.passes == 7 and runner.huge_pages is None  # (the two rows decode in one pass)
+    second = run(runner, [engine.Request([1, 2], 5, temperature=0)])
+    layers = [m for m in model.modules() if isinstance(m, engine.RowsLinear)]
+    assert asked == [[layer.memory() for layer in layers]] and runner.huge_pages == "thread"
+    assert len(layers) == 4 * 2 + 1 and all(isinstance(layer, engine.PackedLinear) for layer in layers)
+    assert all(size >= layer.out_features * layer.in_features * 4 for layer, (_, size) in zip(layers, asked[0]))
+    run(runner, [engine.Request([4], 30, temperature=0)])
+    assert len(asked) == 1  # once
+
+    monkeypatch.undo()  # the real move, in its thread
+    moved = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2)
+    assert run(moved, [engine.Request([9], engine.HUGE_PAGES_AFTER + 2, temperature=0)])
+    moved.huge_pages.join(timeout=60)
+    assert not moved.huge_pages.is_alive()
+    again = run(moved, [engine.Request([1, 2], 5, temperature=0), engine.Request([3], 6, temperature=0)])
+    assert again == first and again[:1] == second
