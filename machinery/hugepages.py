@@ -35,8 +35,8 @@ def collapse(regions):
 
 
 def collapse_in_background(regions):
-    """collapse(regions) in a daemon thread (the kernel's copying runs beside the caller's work: a quarter of a
-    second of one core for GPT-2 124M); the thread."""
+    """collapse(regions) in a daemon thread (the kernel's copying runs beside the caller's work: 0.4 s of one core
+    for GPT-2 124M on BENCHMARKS.md's machine C); the thread."""
     thread = threading.Thread(target=collapse, args=(list(regions),), name="huge pages", daemon=True)
     thread.start()
     return thread
