@@ -62,9 +62,11 @@ FINISHED = ("stop", "length", "abort", "error")  # why a generation ended: a sto
 QUANTUM = 16  # tokens a row samples, at least, each time it (re)joins the batch before a waiting request may take its
 # slot (Engine._preempt): a new request waits a few quanta, not until rows that never end (clients that read slowly)
 # have ended, and parking a row (a copy of its keys and values) stays a small part of the work it then does
-HUGE_PAGES_AFTER = 64  # passes of the model (each reads every weight) before the weights move into huge pages on the
-# CPU (machinery/hugepages.py: a token's products then take ~0.87 of their time); the move takes ~0.4 s of a core
-# beside the decoding (GPT-2 124M, BENCHMARKS.md's machine C), which fewer tokens would not gain back
+HUGE_PAGES_AFTER = 128  # passes of the model (each reads every weight) before the weights move into huge pages on
+# the CPU (machinery/hugepages.py: a token's products then take ~0.87 of their time). The move costs about what 128
+# passes then save (~0.4 s of a core beside the decoding: GPT-2 124M in bfloat16, BENCHMARKS.md's machine C), so as
+# in renting skis until the rent would have bought them, a run that ends sooner never pays it, and a longer one
+# pays at most twice what moving at once would have
 
 
 @dataclass
