@@ -401,13 +401,14 @@ def prepare(model, device, dtype, compile=False, quantize=None):
     (whether a row's result then depends on the others is up to its kernels). quantize="int8": int8 weights for
     the linear layers that take them (machinery/quantize.py), before either."""
     on_cpu, model = torch.device(device).type == "cpu", model.eval()
-    if on_cpu and not compile and not quantize and can_pack(dtype):
+    packs = on_cpu and can_pack(dtype)
+    if packs and not compile and not quantize:
         _pack(model, hardware.DTYPES[dtype])  # before the rest is converted: no unpacked copy of them all in dtype
     model = quantization.quantize(model.to(device=device, dtype=hardware.DTYPES[dtype]), quantize)
     if compile:
         return model
     if on_cpu:
-        rows_linear = PackedLinear if can_pack(dtype) else RowsLinear
+        rows_linear = PackedLinear if packs else RowsLinear
         for module, name, linear in _linear_layers(model):
             setattr(module, name, rows_linear(linear))
     return model
