@@ -12,7 +12,9 @@ sampled, with the text they complete.
 A request's tokens do not depend on what else runs, because every row is computed as if it were alone: its
 prompt is encoded alone, in chunks of a fixed size; its sampling draws from its own generator; and a step
 either (on the CPU) attends row by row over exactly each row's positions with oneDNN's prepacked matrix
-products (PackedLinear), whose result for one row does not depend on the number of rows, or (on CUDA: fixed)
+products (PackedLinear), whose result for one row does not depend on the number of rows (on a CPU with AMX, in
+an engine of a few rows, decoding's products by our own kernel, each row summed alone: KernelLinear), or (on
+CUDA: fixed)
 runs every row of the cache in shapes that never change, as one CUDA graph (machinery/decode.py).
 
 With a prefix cache (prefix_cache_mb; machinery/prefix_cache.py), a prompt's whole chunks are kept, and a
@@ -50,7 +52,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from machinery import decode, hardware, hugepages
+from machinery import bf16_rows, decode, hardware, hugepages
 from machinery import quantize as quantization
 from machinery.calibration_cache import layer_key
 from machinery.errors import first_line
@@ -307,6 +309,23 @@ class PackedLinear(RowsLinear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class KernelLinear(PackedLinear):
+    """A PackedLinear whose decoding passes (one position a row: x of shape (rows, 1, in)) run our own kernel over
+    the packed weight (machinery/bf16_rows.py: on a CPU with AMX, 0.63-0.76 of oneDNN's time at 1-4 rows), every
+    row summed alone, so unpadded and whatever the number of rows; prompts' chunks run oneDNN's AMX kernel, as in
+    a PackedLinear. bfloat16 only; a weight that the kernel cannot read (bf16_rows.Kernel) keeps oneDNN's product
+    in every pass."""
+
+    def __init__(self, linear, dtype=None):
+        super().__init__(linear, dtype)
+        self.kernel = bf16_rows.Kernel(self.packed, linear.weight.detach())
+
+    def forward(self, x):
+        if self.kernel is not None and x.dim() == 3 and x.shape[1] == 1 and x.dtype == torch.bfloat16:
+            return self.kernel(x.view(x.shape[0], -1), self.bias).view(x.shape[0], 1, -1)
+        return super().forward(x)
+
+
 def _contiguous(weight):
     """weight in row-major order, as oneDNN packs it. A Hugging Face GPT-2's matrices load transposed (its
     Conv1D layout, in x out), and PyTorch copies a transposed matrix in one thread, block by block; seen as 3-d
@@ -352,7 +371,7 @@ PROBE_ROWS = 16  # rows at most (a small layer's: cheap products, but so many of
 
 def _rows_alone(linear, most):
     """(min_rows, the most rows up to most whose product gives each row its result alone) of a RowsLinear."""
-    probe = _probe_rows(linear)
+    probe = _probe_rows(linear)[:, None]  # each row as a decoding pass holds it: one position
 
     def each_alone(min_rows):  # each probe row's product alone, a lone row padded to min_rows
         linear.min_rows = min_rows
@@ -393,40 +412,51 @@ def _probe_rows(linear):
     return x.to(linear.dtype)
 
 
-def prepare(model, device, dtype, compile=False, quantize=None):
+def prepare(model, device, dtype, compile=False, quantize=None, rows=None):
     """The model ready to decode on device in dtype ("float32", "bfloat16", "float16"): in eval mode, its
     weights in dtype, and on the CPU its linear layers RowsLinear, prepacked where that is faster (can_pack),
-    which the Engine calibrates (how many rows a pass may hold, whether a lone row is padded). compile: the
-    engine will compile it (Engine(compile=True)), so nothing is prepacked: inductor packs weights itself
-    (whether a row's result then depends on the others is up to its kernels). quantize="int8": int8 weights for
-    the linear layers that take them (machinery/quantize.py), before either."""
+    which the Engine calibrates (how many rows a pass may hold, whether a lone row is padded). rows: the most rows
+    a decoding pass will hold (the Engine's max_batch), where known: on a CPU with AMX, bfloat16 passes of at most
+    bf16_rows.ROWS rows decode with our own kernel (KernelLinear), fewer rows being its strength (any number is
+    correct). compile: the engine will compile it (Engine(compile=True)), so nothing is prepacked: inductor packs
+    weights itself (whether a row's result then depends on the others is up to its kernels). quantize="int8":
+    int8 weights for the linear layers that take them (machinery/quantize.py), before either."""
     on_cpu, model = torch.device(device).type == "cpu", model.eval()
     packs = on_cpu and can_pack(dtype)
+    packed = KernelLinear if packs and uses_kernel(dtype, rows) else PackedLinear
     if packs and not compile and not quantize:
-        _pack(model, hardware.DTYPES[dtype])  # before the rest is converted: no unpacked copy of them all in dtype
+        _pack(model, packed, hardware.DTYPES[dtype])  # before the rest is converted: no unpacked copy of them all
     model = quantization.quantize(model.to(device=device, dtype=hardware.DTYPES[dtype]), quantize)
     if compile:
         return model
     if on_cpu:
-        rows_linear = PackedLinear if packs else RowsLinear
+        rows_linear = packed if packs else RowsLinear
         for module, name, linear in _linear_layers(model):
             setattr(module, name, rows_linear(linear))
     return model
 
 
-def _pack(model, dtype):
-    """model's linear layers PackedLinear in dtype, each matrix converted and packed on its own, the layers shared
-    out among the threads (each copying and packing a whole layer alone: 0.28 against 0.35 s for GPT-2 124M's 48
-    block matrices, where each layer's copies were split over the threads; BENCHMARKS.md). Not the output layer,
-    whose matrix is the token embedding's: it is packed after the model's conversion, from the converted matrix."""
+def uses_kernel(dtype, rows):
+    """Do passes of at most rows rows (None: not known) in dtype decode with our own kernel (KernelLinear) here:
+    bfloat16, on a CPU with AMX (where it was measured faster: BENCHMARKS.md), where it can be built?"""
+    return dtype == "bfloat16" and rows is not None and rows <= bf16_rows.ROWS and hardware.cpu_kind() == "AMX" \
+        and bf16_rows.load() is not None
+
+
+def _pack(model, packed, dtype):
+    """model's linear layers packed (PackedLinear or KernelLinear) in dtype, each matrix converted and packed on its
+    own, the layers shared out among the threads (each copying and packing a whole layer alone: 0.28 against 0.35 s
+    for GPT-2 124M's 48 block matrices, where each layer's copies were split over the threads; BENCHMARKS.md). Not
+    the output layer, whose matrix is the token embedding's: it is packed after the model's conversion, from the
+    converted matrix."""
     layers, threads = _linear_layers(model, shared=False), torch.get_num_threads()
     torch.set_num_threads(1)  # (read by each worker's first parallel operation)
     try:
         with ThreadPoolExecutor(threads) as pool:
-            packed = list(pool.map(lambda layer: PackedLinear(layer[2], dtype), layers))
+            done = list(pool.map(lambda layer: packed(layer[2], dtype), layers))
     finally:
         torch.set_num_threads(threads)
-    for (module, name, _), layer in zip(layers, packed):
+    for (module, name, _), layer in zip(layers, done):
         setattr(module, name, layer)
 
 

@@ -1,0 +1,119 @@
+"""Decoding's matrix products on a CPU with AMX, by a small kernel of our own (bf16_rows.c): a few rows of
+bfloat16 inputs times a weight that oneDNN has packed, read in place.
+
+Why: decoding reads every weight once a token, so its speed is the memory's. oneDNN's AMX kernel does not
+reach it at a few rows: GPT-2 124M's 49 products of one row take it 20-24 ms on BENCHMARKS.md's machine C, and
+this kernel 13-15 (AVX-512 BF16's vdpbf16ps, the weights read once, in the order they lie in memory). From about
+8 rows on, AMX's tiles win (the kernel then waits on its arithmetic), so the engine runs it only where a pass
+holds at most ROWS rows (engine.prepare's rows), and prompts' chunks stay oneDNN's.
+
+How: bf16_rows.c is compiled on first use by the system's gcc, against the OpenMP runtime that PyTorch has
+loaded (the kernel's threads are then PyTorch's own, not a second pool fighting it for the cores), into
+$XDG_CACHE_HOME (or ~/.cache) /nanogpt/bf16_rows-<hash>.so, named by the source, the compiler and the runtime;
+a later start only loads it. The weight stays where oneDNN packed it (no second copy): Kernel checks that a
+packed weight is laid out as the kernel reads it, and one that is not (another oneDNN, another CPU) keeps
+oneDNN's product. Where the kernel cannot be built or run (no gcc, not Linux on x86-64, no AVX-512 BF16), load()
+is None and decoding is oneDNN's, as before."""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from machinery.fileio import cache_path
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bf16_rows.c")
+BLOCK = 32  # outputs in a block of oneDNN's packed weight, as bf16_rows.c reads it
+ROWS = 4  # rows a pass may hold at most for the engine to choose this kernel: 0.63-0.76 of oneDNN's AMX time at
+# 1-4 rows, 0.94-1.12 at 8, 1.4-2.1 at 16 and 32 (GPT-2 124M's products; BENCHMARKS.md)
+
+
+@functools.lru_cache(maxsize=None)
+def load():
+    """The kernel (bf16_rows.c's bf16_rows, through ctypes), built on the first call on this machine; None where
+    it cannot be built or run here."""
+    if sys.platform != "linux" or platform.machine() != "x86_64" or not torch.cpu._is_avx512_bf16_supported():
+        return None
+    compiler, openmp = shutil.which("gcc"), _openmp()
+    if compiler is None or openmp is None:
+        return None
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    stat = os.stat(compiler)
+    key = hashlib.sha256(source + f"{compiler} {stat.st_size} {stat.st_mtime_ns} {openmp}".encode()).hexdigest()
+    path = cache_path(f"bf16_rows-{key[:16]}.so")
+    try:
+        if not os.path.exists(path):
+            _build(compiler, openmp, path)
+        function = ctypes.CDLL(path).bf16_rows
+    except (OSError, subprocess.SubprocessError):
+        return None
+    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int]
+    function.restype = None
+    return function
+
+
+def _openmp():
+    """The OpenMP runtime (GNU's libgomp) that PyTorch has loaded into this process, or None."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            paths = {line.split(None, 5)[-1].strip() for line in f if "libgomp" in line}
+    except OSError:
+        return None
+    return min(paths) if paths else None
+
+
+def _build(compiler, openmp, path):
+    """Compile bf16_rows.c into the shared library path (written whole or not at all: a build beside it in
+    another process finds one or the other, never half)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as work:
+        obj, lib = os.path.join(work, "bf16_rows.o"), os.path.join(work, "bf16_rows.so")
+        # -fopenmp only to compile: linked so, gcc would add the system's libgomp, a second runtime beside PyTorch's
+        for command in ([compiler, "-O3", "-fPIC", "-fopenmp", "-c", SOURCE, "-o", obj],
+                        [compiler, "-shared", obj, openmp, "-o", lib]):
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
+        os.replace(lib, path)
+
+
+class Kernel:
+    """The kernel bound to a weight packed by oneDNN in bfloat16 (torch.ops.mkldnn._reorder_linear_weight of
+    weight, out x in, converted), where its packed memory is laid out as bf16_rows.c reads it; else None (new)."""
+
+    def __new__(cls, packed, weight):
+        function = load()
+        out_features, in_features = weight.shape
+        blocks = -(-out_features // BLOCK)
+        size = torch.ops.mkldnn._nbytes(packed)
+        padded, rest = divmod(size, blocks * BLOCK * 2)  # inputs a block holds, zeros after in_features
+        if function is None or in_features % 2 or rest or padded % 2 \
+                or padded < in_features or packed.dtype != torch.bfloat16:
+            return None
+        memory = torch.frombuffer((ctypes.c_uint16 * (size // 2)).from_address(torch.ops.mkldnn.data_ptr(packed)),
+                                  dtype=torch.bfloat16)  # (the packed memory itself, not a copy)
+        laid = memory.view(blocks, padded // 2, BLOCK, 2).transpose(1, 2).reshape(blocks, BLOCK, padded)
+        for b in sorted({0, blocks // 2, blocks - 1}):  # a layout is the same in every block: three suffice
+            rows = weight[b * BLOCK:(b + 1) * BLOCK].to(torch.bfloat16)
+            if not torch.equal(laid[b, :len(rows), :in_features], rows):
+                return None
+        self = super().__new__(cls)
+        self.function, self.packed, self.padded = function, packed, padded
+        self.address, self.out_features, self.in_features = torch.ops.mkldnn.data_ptr(packed), out_features, in_features
+        return self
+
+    def __call__(self, x, bias=None):
+        """x (rows, in) bfloat16 times the weight, plus bias (out, bfloat16, or None): (rows, out) bfloat16."""
+        x = x.contiguous()
+        bias = None if bias is None else bias.to(torch.bfloat16).contiguous()  # (held: the kernel reads it)
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+        self.function(self.address, x.data_ptr(), None if bias is None else bias.data_ptr(),
+                      y.data_ptr(), x.shape[0], self.out_features, self.in_features, self.padded,
+                      torch.get_num_threads())
+        return y
