@@ -88,7 +88,7 @@ def cpu_native(dtype):
 
 
 CPU_KINDS = {  # what dtype=auto and the engine choose on each kind of CPU (the module's docstring says why)
-    "AMX": "bfloat16: oneDNN's AMX kernels, decoding 1-4 rows our own kernel",
+    "AMX": "bfloat16: oneDNN's AMX kernels, decoding 1-4 rows our own kernel (where gcc builds it)",
     "AVX-512 BF16": "bfloat16: AVX-512 BF16",
     "AVX-512": "float32: bfloat16 is only converted",
     "AVX2": "float32: bfloat16 is emulated",
