@@ -64,11 +64,13 @@ FINISHED = ("stop", "length", "abort", "error")  # why a generation ended: a sto
 QUANTUM = 16  # tokens a row samples, at least, each time it (re)joins the batch before a waiting request may take its
 # slot (Engine._preempt): a new request waits a few quanta, not until rows that never end (clients that read slowly)
 # have ended, and parking a row (a copy of its keys and values) stays a small part of the work it then does
-HUGE_PAGES_AFTER = 128  # passes of the model (each reads every weight) before the weights move into huge pages on
-# the CPU (machinery/hugepages.py: a token's products then take ~0.87 of their time). The move costs about what 128
-# passes then save (~0.4 s of a core beside the decoding: GPT-2 124M in bfloat16, BENCHMARKS.md's machine C), so as
-# in renting skis until the rent would have bought them, a run that ends sooner never pays it, and a longer one
-# pays at most twice what moving at once would have
+HUGE_PAGES_AFTER = 128  # passes of the model (each reads every weight) that pay for moving the weights into huge
+# pages on the CPU (machinery/hugepages.py: a token's products then take ~0.87-0.9 of their time). Where the running
+# rows are to decode that many tokens more, the weights move at once, on every thread, before their next pass
+# (0.13-0.16 s for GPT-2 124M in bfloat16 on BENCHMARKS.md's machine C, which 50-120 passes save). Otherwise they
+# move in the background once the model has run that many passes (~0.4 s of a core beside the decoding, about what
+# 128 passes then save): as in renting skis until the rent would have bought them, a run that ends sooner never
+# pays it, and a longer one pays at most twice what moving at once would have
 
 
 @dataclass
@@ -630,9 +632,19 @@ class Engine:
             prompts = self._prompts([g for g in ready if len(g.todo) > 1 and not g.done])
             for g in prompts[:1] if decoding else prompts:
                 self._feed([g], min(len(g.todo), self.prefill_chunk))
-        if self.huge_pages is None and self.passes >= HUGE_PAGES_AFTER and self.device.type == "cpu":
-            self.huge_pages = hugepages.collapse_in_background(layer.memory() for layer in self.model.modules()
-                                                               if isinstance(layer, RowsLinear))
+        self._huge_pages()
+
+    def _huge_pages(self):
+        """Move the weights into huge pages on the CPU, once (HUGE_PAGES_AFTER says when); self.huge_pages: how it
+        went (the move's thread, or the bytes moved at once). At the end of a step: a new request's prompt has been
+        encoded, its decoding not begun."""
+        if self.huge_pages is not None or self.device.type != "cpu":
+            return
+        regions = [layer.memory() for layer in self.model.modules() if isinstance(layer, RowsLinear)]
+        if max((g.request.max_tokens - g.completion_tokens for g in self.rows), default=0) >= HUGE_PAGES_AFTER:
+            self.huge_pages = hugepages.collapse(regions, torch.get_num_threads())
+        elif self.passes >= HUGE_PAGES_AFTER:
+            self.huge_pages = hugepages.collapse_in_background(regions)
 
     def _admit(self):
         """Drop the rows that ended (their slots are free again), end cancelled and stalled ones, and let waiting

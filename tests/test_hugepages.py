@@ -59,8 +59,44 @@ def test_the_engine_moves_every_linear_layers_weight_once_it_has_run_the_model_o
 
     monkeypatch.undo()  # the real move, in its thread
     moved = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2)
-    assert run(moved, [engine.Request([9], engine.HUGE_PAGES_AFTER + 2, temperature=0)])
+    for _ in range(engine.HUGE_PAGES_AFTER // 10 + 1):  # requests too short to move at once, enough to pay for it
+        assert run(moved, [engine.Request([9], 10, temperature=0)])
     moved.huge_pages.join(timeout=60)
     assert not moved.huge_pages.is_alive()
     again = run(moved, [engine.Request([1, 2], 5, temperature=0), engine.Request([3], 6, temperature=0)])
     assert again == first and again[:1] == second
+
+
+def test_a_request_long_enough_to_pay_for_the_move_has_the_weights_moved_at_once_on_every_thread(monkeypatch):
+    """A request that may decode HUGE_PAGES_AFTER tokens more (max_tokens less those it has) has the weights moved
+    before it decodes (after its prompt's pass), at once and on the process's threads, not in the background; a
+    shorter one leaves them; and the tokens are those of an engine that never moves them."""
+    calls, real = [], hugepages.collapse
+    monkeypatch.setattr(engine, "HUGE_PAGES_AFTER", 12)
+    monkeypatch.setattr(hugepages, "collapse_in_background", lambda regions: calls.append("background") or "thread")
+
+    def collapse(regions, threads=1):
+        calls.append((runner.passes, threads))
+        return real(regions, threads)
+
+    monkeypatch.setattr(hugepages, "collapse", collapse)
+    runner = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2)
+    short = run(runner, [engine.Request([1, 2], 11, temperature=0)])  # (its prompt's pass gives its first token)
+    assert calls == [] and runner.huge_pages is None and runner.passes == 11
+    long = run(runner, [engine.Request([3], 13, temperature=0)])  # 12 passes to come after its prompt's
+    assert calls == [(12, torch.get_num_threads())] and runner.huge_pages is not None  # (after its prompt's pass)
+    monkeypatch.undo()
+    never = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2)
+    assert run(never, [engine.Request([1, 2], 11, temperature=0)]) == short
+    assert run(never, [engine.Request([3], 13, temperature=0)]) == long and never.huge_pages is None
+
+
+def test_collapse_shares_the_pages_out_among_threads_and_backs_the_same_memory():
+    """Two threads move what one does: the same bytes of the same huge pages, the contents unchanged."""
+    values = [torch.arange(6 * MIB // 4, dtype=torch.int32) + i for i in range(2)]  # 6 MiB each, written
+    one = hugepages.collapse([(values[0].data_ptr(), 6 * MIB)])
+    if one == 0:
+        pytest.skip("this kernel backs no memory with huge pages on request (MADV_COLLAPSE: Linux 6.1+, THP on)")
+    assert hugepages.collapse([(values[1].data_ptr(), 6 * MIB)], threads=2) == one
+    assert anon_huge_bytes(values[1].data_ptr()) >= one
+    assert all(torch.equal(v, torch.arange(6 * MIB // 4, dtype=torch.int32) + i) for i, v in enumerate(values))
