@@ -61,13 +61,14 @@ def load():
 
 
 def _openmp():
-    """The OpenMP runtime (GNU's libgomp) that PyTorch has loaded into this process, or None."""
+    """The OpenMP runtime (GNU's libgomp) that PyTorch has loaded into this process (the one in its wheel, where
+    another is loaded too), or None."""
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
             paths = {line.split(None, 5)[-1].strip() for line in f if "libgomp" in line}
     except OSError:
         return None
-    return min(paths) if paths else None
+    return min(paths, key=lambda path: ("torch" not in path, path)) if paths else None
 
 
 def _build(compiler, openmp, path):
@@ -109,11 +110,14 @@ class Kernel:
         return self
 
     def __call__(self, x, bias=None):
-        """x (rows, in) bfloat16 times the weight, plus bias (out, bfloat16, or None): (rows, out) bfloat16."""
-        x = x.contiguous()
-        bias = None if bias is None else bias.to(torch.bfloat16).contiguous()  # (held: the kernel reads it)
-        y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
-        self.function(self.address, x.data_ptr(), None if bias is None else bias.data_ptr(),
-                      y.data_ptr(), x.shape[0], self.out_features, self.in_features, self.padded,
+        """x (..., in) bfloat16 times the weight, plus bias (out, bfloat16, or None): (..., out) bfloat16. (Decoding
+        calls it 49 times a token for GPT-2: what it does around the kernel is kept to a few microseconds.)"""
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            bias = bias.to(torch.bfloat16).contiguous()  # (held: the kernel reads it)
+        y = x.new_empty(x.shape[:-1] + (self.out_features,))
+        self.function(self.address, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                      x.numel() // self.in_features, self.out_features, self.in_features, self.padded,
                       torch.get_num_threads())
         return y

@@ -324,7 +324,7 @@ class KernelLinear(PackedLinear):
 
     def forward(self, x):
         if self.kernel is not None and x.dim() == 3 and x.shape[1] == 1 and x.dtype == torch.bfloat16:
-            return self.kernel(x.reshape(x.shape[0], -1), self.bias).view(x.shape[0], 1, -1)
+            return self.kernel(x, self.bias)
         return super().forward(x)
 
 

@@ -92,11 +92,13 @@ def test_a_request_long_enough_to_pay_for_the_move_has_the_weights_moved_at_once
 
 
 def test_collapse_shares_the_pages_out_among_threads_and_backs_the_same_memory():
-    """Two threads move what one does: the same bytes of the same huge pages, the contents unchanged."""
-    values = [torch.arange(6 * MIB // 4, dtype=torch.int32) + i for i in range(2)]  # 6 MiB each, written
-    one = hugepages.collapse([(values[0].data_ptr(), 6 * MIB)])
-    if one == 0:
-        pytest.skip("this kernel backs no memory with huge pages on request (MADV_COLLAPSE: Linux 6.1+, THP on)")
-    assert hugepages.collapse([(values[1].data_ptr(), 6 * MIB)], threads=2) == one
-    assert anon_huge_bytes(values[1].data_ptr()) >= one
-    assert all(torch.equal(v, torch.arange(6 * MIB // 4, dtype=torch.int32) + i) for i, v in enumerate(values))
+    """Two threads move what one does: every huge page of a 6 MiB region that begins on one (3 of them), the
+    contents unchanged."""
+    tensors = [torch.arange(8 * MIB // 4, dtype=torch.int32) + i for i in range(2)]  # 8 MiB each, written
+    starts = [-(-t.data_ptr() // (2 * MIB)) * 2 * MIB for t in tensors]  # (the first huge page inside each)
+    if hugepages.collapse([(starts[0], 6 * MIB)]) < 6 * MIB:
+        pytest.skip("this kernel backs no memory with huge pages on request (MADV_COLLAPSE: Linux 6.1+, THP on), "
+                    "or not 3 of them now")
+    assert hugepages.collapse([(starts[1], 6 * MIB)], threads=2) == 6 * MIB
+    assert anon_huge_bytes(starts[1]) >= 6 * MIB
+    assert all(torch.equal(t, torch.arange(8 * MIB // 4, dtype=torch.int32) + i) for i, t in enumerate(tensors))
