@@ -810,7 +810,10 @@ class Engine:
                     sampling.append(i)
             except Exception as e:
                 self._fail(g, e)
-        self._sample([rows[i] for i in sampling], logits[:, -1].index_select(0, to_device(sampling, logits.device)))
+        last = logits[:, -1]
+        if len(sampling) < len(rows):
+            last = last.index_select(0, to_device(sampling, logits.device))
+        self._sample([rows[i] for i in sampling], last)
 
     def _forward(self, rows, n):
         """The model's float32 logits (B, n or 1, vocab) for the next n tokens of each row (every position's when
@@ -924,6 +927,8 @@ def draw(rows, logits):
         u = None
         if temperature >= torch.finfo(torch.float32).tiny:  # (sample_next's greedy draws nothing)
             u = to_device(torch.cat([torch.rand(1, 1, generator=rows[i].generator) for i in members]), logits.device)
+        if len(members) == len(rows):  # (one group: every row, no copy of the logits)
+            return sample_next(logits, temperature, top_k, top_p, u=u)
         index = to_device(members, logits.device)
         tokens[index] = sample_next(logits[index], temperature, top_k, top_p, u=u)
     return tokens
