@@ -99,10 +99,11 @@ class Kernel:
             return None
         memory = torch.frombuffer((ctypes.c_uint16 * (size // 2)).from_address(torch.ops.mkldnn.data_ptr(packed)),
                                   dtype=torch.bfloat16)  # (the packed memory itself, not a copy)
-        laid = memory.view(blocks, padded // 2, BLOCK, 2).transpose(1, 2).reshape(blocks, BLOCK, padded)
+        laid = memory.view(blocks, padded // 2, BLOCK, 2)
         for b in sorted({0, blocks // 2, blocks - 1}):  # a layout is the same in every block: three suffice
             rows = weight[b * BLOCK:(b + 1) * BLOCK].to(torch.bfloat16)
-            if not torch.equal(laid[b, :len(rows), :in_features], rows):
+            block = laid[b].transpose(0, 1).reshape(BLOCK, padded)  # (a copy of this block alone)
+            if not torch.equal(block[:len(rows), :in_features], rows):
                 return None
         self = super().__new__(cls)
         self.function, self.packed, self.padded = function, packed, padded
