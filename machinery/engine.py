@@ -32,7 +32,8 @@ exception outside any request stops the engine (alive is then False: serve.py's 
 
 Decoding runs at the speed of memory (BENCHMARKS.md): the model is converted to the run's dtype instead of
 autocast re-casting its weights at every step; on the CPU the linear layers are prepacked for oneDNN (and
-moved into huge pages once the model has run HUGE_PAGES_AFTER times: machinery/hugepages.py), and the KV cache
+moved into huge pages once a run is long enough to gain the move back: HUGE_PAGES_AFTER, machinery/hugepages.py;
+where the CPU has AMX, decoding a few rows reads them with our own kernel: KernelLinear), and the KV cache
 stays in float32, where attention runs. Past block_size a row goes on as nanoGPT's generate
 does: its last block_size tokens are encoded again for every new token, so it sees exactly what the
 uncached model would.
