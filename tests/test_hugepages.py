@@ -39,9 +39,10 @@ def test_memory_that_is_not_mapped_is_left_alone():
 
 
 def test_the_engine_moves_every_linear_layers_weight_once_it_has_run_the_model_often_enough(monkeypatch):
-    """Fewer than HUGE_PAGES_AFTER passes of the model move nothing; past them, the engine hands every linear layer's weight
-    memory (oneDNN's packed copy where there is one: its bytes at least the matrix's) to the move, once; the
-    tokens are those of an engine that never moves them."""
+    """Requests too short to move the weights at once: fewer than HUGE_PAGES_AFTER passes of the model move
+    nothing; past them, the engine hands every linear layer's weight memory (oneDNN's packed copy where there is
+    one: its bytes at least the matrix's) to the move in the background, once; the tokens are those of an engine
+    that never moves them."""
     asked = []
     monkeypatch.setattr(engine, "HUGE_PAGES_AFTER", 12)
     monkeypatch.setattr(hugepages, "collapse_in_background", lambda regions: asked.append(list(regions)) or "thread")
