@@ -90,12 +90,13 @@ class Kernel:
 
     def __new__(cls, packed, weight):
         function = load()
+        if function is None:
+            return None
         out_features, in_features = weight.shape
         blocks = -(-out_features // BLOCK)
         size = torch.ops.mkldnn._nbytes(packed)
         padded, rest = divmod(size, blocks * BLOCK * 2)  # inputs a block holds, zeros after in_features
-        if function is None or in_features % 2 or rest or padded % 2 \
-                or padded < in_features or packed.dtype != torch.bfloat16:
+        if in_features % 2 or rest or padded % 2 or padded < in_features or packed.dtype != torch.bfloat16:
             return None
         memory = torch.frombuffer((ctypes.c_uint16 * (size // 2)).from_address(torch.ops.mkldnn.data_ptr(packed)),
                                   dtype=torch.bfloat16)  # (the packed memory itself, not a copy)

@@ -641,10 +641,13 @@ class Engine:
         encoded, its decoding not begun."""
         if self.huge_pages is not None or self.device.type != "cpu":
             return
+        at_once = max((g.request.max_tokens - g.completion_tokens for g in self.rows), default=0) >= HUGE_PAGES_AFTER
+        if not at_once and self.passes < HUGE_PAGES_AFTER:
+            return  # (every step until then: nothing more is looked at)
         regions = [layer.memory() for layer in self.model.modules() if isinstance(layer, RowsLinear)]
-        if max((g.request.max_tokens - g.completion_tokens for g in self.rows), default=0) >= HUGE_PAGES_AFTER:
+        if at_once:
             self.huge_pages = hugepages.collapse(regions, torch.get_num_threads())
-        elif self.passes >= HUGE_PAGES_AFTER:
+        else:
             self.huge_pages = hugepages.collapse_in_background(regions)
 
     def _admit(self):
