@@ -353,28 +353,46 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
         kth = torch.topk(logits, k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = F.softmax(sorted_logits, dim=-1)
+        weights = token_weights(logits)
+        # ties in the order of the vocabulary (stable): which of equal tokens is cut never depends on the sort
+        sorted_weights, order = torch.sort(weights, dim=-1, descending=True, stable=True)
+        before = sorted_weights.cumsum(dim=-1) - sorted_weights
         # drop a token when the ones before it already reach top_p; the top token always stays (top_p=0: greedy)
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop_sorted = before.double() >= top_p * weights.sum(dim=-1, keepdim=True).double()
         drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
 
+def token_weights(logits):
+    """Each token's probability under logits (B, V), unnormalised, as an integer: exp(logit - the row's largest)
+    in fixed point, the largest 2^bits (as many bits as leave the row's sum below 2^62). Sums of integers are exact
+    in any order, so a row's cumulative sums, and so its draw and its top_p set, are the same whatever other rows
+    its batch holds: PyTorch's CUDA cumsum and softmax add a row up in an order that depends on the batch's shape
+    (one row alone: another scan), and float32 sums drew another token now and then (BENCHMARKS.md, GPU). A token
+    under 2^-bits of the most likely one's probability (2^-46 for GPT-2's vocabulary) gets weight 0."""
+    bits = 62 - logits.size(-1).bit_length()
+    # below e^-64 every weight is 0 (e^-64 * 2^61 < 1): clamped there, no exp underflows float32, which is many
+    # times slower on a CPU (tokens that top_k left out: 0.12 ms a row of GPT-2's vocabulary, against 0.02)
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    return shifted.clamp_min_(-64.0).exp_().mul_(2.0 ** bits).long()  # (in place: a row of V floats a pass)
+
+
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None, u=None):
     """One token per row of logits (B, V): the argmax when temperature is 0, else a draw from the filtered softmax by
     one uniform number per row (u (B, 1), else from generator) in the cumulative probabilities (not torch.multinomial,
-    which draws a number per token of the vocabulary: BENCHMARKS.md, "Serving and decoding")."""
+    which draws a number per token of the vocabulary: BENCHMARKS.md, "Serving and decoding"), summed as integers
+    (token_weights: each row's draw its own, whatever the batch)."""
     if temperature < torch.finfo(torch.float32).tiny:  # 0, or so small that float32 would take it for 0: greedy
         return logits.argmax(dim=-1)
     logits = logits.float()  # minus each row's largest: no temperature, however small, overflows the division
-    probs = F.softmax(filter_logits(logits - logits.amax(dim=-1, keepdim=True), temperature, top_k, top_p), dim=-1)
-    cdf = probs.cumsum(dim=-1)
-    u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device) if u is None else u
-    # the first token whose cumulative probability exceeds u (right: never a token of probability 0)
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=probs.size(-1) - 1).squeeze(-1)
+    weights = token_weights(filter_logits(logits - logits.amax(dim=-1, keepdim=True), temperature, top_k, top_p))
+    cdf = weights.cumsum_(dim=-1)
+    u = torch.rand(cdf.size(0), 1, generator=generator, device=cdf.device) if u is None else u
+    # the first token whose cumulative weight exceeds u of the row's total (right: never a token of weight 0)
+    target = (u.double() * cdf[:, -1:].double()).long()
+    return torch.searchsorted(cdf, target, right=True).clamp(max=cdf.size(-1) - 1).squeeze(-1)
 
 
 # ---------------------------------------------------------------------- GPT-2's published weights

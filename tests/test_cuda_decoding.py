@@ -1,8 +1,8 @@
 """Decoding on CUDA (skipped without a GPU; CI is CPU-only): the engine's fixed step, captured as a CUDA graph,
 gives the uncached model's greedy tokens (in float32 exactly, in bfloat16 within its rounding), a request's tokens
-alone and among 31 others are the same, a step waits for the GPU once, and serve.py answers. Collected with torch
-alone (a GPU machine may have nothing else): serve.py's test imports the serving packages when it runs, and skips
-where they are missing (tested in test_cuda_decisions.py)."""
+alone and among 31 others are the same (and a row's draw alone and in any batch), a step waits for the GPU once,
+and serve.py answers. Collected with torch alone (a GPU machine may have nothing else): serve.py's test imports the
+serving packages when it runs, and skips where they are missing (tested in test_cuda_decisions.py)."""
 
 import warnings
 
@@ -11,6 +11,7 @@ import torch
 
 from machinery import engine
 from test_engine import Tokens, run, small_model
+from test_generate import draws_alone_and_in_batches
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -68,6 +69,23 @@ def test_a_requests_tokens_are_the_same_alone_and_among_31_others():
     together = run(runner, requests)
     assert runner.fixed_step.graph is not None
     assert run(runner, [requests[5]]) == [together[5]] and run(runner, [requests[30]]) == [together[30]]
+
+
+def test_a_rows_draw_is_the_same_alone_and_in_any_batch_on_cuda():
+    """CUDA's cumsum adds a row up in an order that depends on the batch's shape (a lone row: another scan), so
+    float32 cumulative sums drew another token now and then: sample_next sums integer weights."""
+    for alone, batched in draws_alone_and_in_batches("cuda", boundaries=4):
+        assert alone == batched
+
+
+def test_flat_distributions_over_gpt2s_vocabulary_draw_the_same_alone_and_at_once():
+    """8 seeded requests at once and alone (bench.py --mode=gpu's check), where every draw is near a tie: 50,257
+    tokens, temperature 50."""
+    runner = engine.Engine(engine.prepare(small_model(vocab_size=50257, block_size=64), "cuda", "bfloat16"),
+                           Tokens(50257), "cuda", max_batch=8)
+    requests = [engine.Request([3 + i, 7, 11 * i], max_tokens=24, temperature=50.0, seed=i) for i in range(8)]
+    together = run(runner, requests)
+    assert [run(runner, [r])[0] for r in requests] == together
 
 
 def cache_on_and_off(device, dtype):

@@ -149,6 +149,45 @@ def test_tiny_top_p_picks_the_argmax():
         assert torch.equal(sample_next(logits, 1.5, top_p=1e-6, generator=g), logits.argmax(-1))
 
 
+def test_a_draw_lands_where_the_cumulative_probabilities_say():
+    logits = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log()  # cumulative: 0.15, 0.65, 0.70, 1.0
+    for u, token in ((0.0, 0), (0.1, 0), (0.2, 1), (0.64, 1), (0.66, 2), (0.69, 2), (0.71, 3), (0.999, 3)):
+        assert sample_next(logits, 1.0, u=torch.tensor([[u]])).item() == token, u
+    # top_p=0.7 keeps 0.5 and 0.3 (0.15 comes after 0.8 >= 0.7), renormalised: cumulative 0, 0.625, 0.625, 1.0
+    assert [sample_next(logits, 1.0, top_p=0.7, u=torch.tensor([[u]])).item() for u in (0.6, 0.7)] == [1, 3]
+
+
+def draws_alone_and_in_batches(device, boundaries=1):
+    """Each of 33 near-uniform rows over GPT-2's vocabulary (steps of ~2e-5 in its cumulative probabilities), drawn
+    by sample_next alone and in batches of 2, 8 and 33 rows (every place in a batch: each alignment of a row of
+    50,257 floats), by uniform numbers that fall within float32's rounding of a boundary between two tokens (where
+    two orders of adding up the row in float32 disagree), `boundaries` a row: (tokens alone, tokens in batches), for
+    each of plain, top_k and top_p sampling."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(33, 50257, generator=g, dtype=torch.float64) * 0.05
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    at = torch.randint(1000, 50000, (33, boundaries), generator=g)
+    u = cdf.gather(1, at).float()  # (the float64 boundaries, rounded: within 3e-8 of them)
+    logits = logits.float().to(device)
+    results = []
+    for settings in (dict(), dict(top_k=40000), dict(top_p=0.95)):
+        for column in u.T:
+            column = column[:, None].to(device)
+            alone = torch.cat([sample_next(logits[i:i + 1], 1.0, u=column[i:i + 1], **settings) for i in range(33)])
+            for size in (2, 8, 33):
+                batched = torch.cat([sample_next(logits[i:i + size], 1.0, u=column[i:i + size], **settings)
+                                     for i in range(0, 33, size)])
+                results.append((alone.tolist(), batched.tolist()))
+    return results
+
+
+def test_a_rows_draw_is_the_same_alone_and_in_any_batch():
+    """The engine's promise (a request's tokens never depend on what else runs) at the draw; on the CPU here,
+    on CUDA in tests/test_cuda_decoding.py, where float32 sums of a row depend on the batch's shape."""
+    for alone, batched in draws_alone_and_in_batches("cpu"):
+        assert alone == batched
+
+
 def test_vocab_size_limits_the_tokens_to_the_first_ones():
     model = random_model(*MODELS[1])
     out = model.generate(torch.zeros(4, 1, dtype=torch.long), 30, temperature=2.0, vocab_size=5,
