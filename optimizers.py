@@ -149,7 +149,9 @@ class MuonAdamW(torch.optim.AdamW):
             buffers.append(state["momentum_buffer"])
         grads = [p.grad for p in params]
         torch._foreach_lerp_(buffers, grads, 1 - momentum)  # buf = momentum * buf + (1 - momentum) * grad
-        nesterov = torch._foreach_lerp(grads, buffers, momentum)  # grad + momentum * (buf - grad)
+        # grad + momentum * (buf - grad), in place on a copy: torch 2.11's FSDP (DTensor) has no out-of-place lerp
+        nesterov = [g.clone() for g in grads]
+        torch._foreach_lerp_(nesterov, buffers, momentum)
         for same in same_shape(params):
             updates = self._orthogonalize([nesterov[i] for i in same], group["ns_steps"])
             matrices = [params[i] for i in same]
