@@ -369,8 +369,8 @@ def token_weights(logits):
     """Each token's probability under logits (B, V), unnormalised, as an integer: exp(logit - the row's largest)
     in fixed point, the largest 2^bits (as many bits as leave the row's sum below 2^62). Sums of integers are exact
     in any order, so a row's cumulative sums, and so its draw and its top_p set, are the same whatever other rows
-    its batch holds: PyTorch's CUDA cumsum and softmax add a row up in an order that depends on the batch's shape
-    (one row alone: another scan), and float32 sums drew another token now and then (BENCHMARKS.md, GPU). A token
+    its batch holds: PyTorch's CUDA cumsum adds a row up in an order that depends on the batch's shape (one row
+    alone: another scan), and float32 sums drew another token now and then (BENCHMARKS.md, GPU). A token
     under 2^-bits of the most likely one's probability (2^-46 for GPT-2's vocabulary) gets weight 0."""
     bits = 62 - logits.size(-1).bit_length()
     # below e^-64 every weight is 0 (e^-64 * 2^61 < 1): clamped there, no exp underflows float32, which is many
