@@ -1,6 +1,9 @@
 /*
- * A few rows of bfloat16 inputs times a bfloat16 weight that oneDNN has packed for its AMX kernels: the
- * products of decoding (machinery/bf16_rows.py builds this file and says when it is used, and why).
+ * Decoding's two kernels of our own, in bfloat16 (machinery/bf16_rows.py builds this file and says when each is
+ * used, and why): a few rows times a weight that oneDNN has packed (bf16_rows), and one row's attention over its
+ * keys and values (bf16_attend).
+ *
+ * bf16_rows: a few rows of bfloat16 inputs times a bfloat16 weight that oneDNN has packed for its AMX kernels.
  *
  * oneDNN's packed weight, N outputs by K inputs, is in blocks of 32 outputs, each block K/2 pairs of inputs
  * long, each pair 32 outputs x 2 inputs (128 bytes): w[block][pair][output][2], the block's K padded to Kp
@@ -14,6 +17,7 @@
  * rounded to bfloat16 (to nearest even), as oneDNN rounds its output.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 #define KERNEL __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static inline
@@ -76,4 +80,39 @@ void bf16_rows(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint1
     long blocks = (N + 31) / 32;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long b = 0; b < blocks; b++) block(w, x, bias, y, M, N, K, Kp, b);
+}
+
+/* bf16_attend: one row's attention, each head over its first n positions (the row's own), in float32: the
+ * scores q.k * scale, their softmax (minus the largest first), and the values' sum weighted by it, rounded to
+ * bfloat16 (to nearest even). q: heads x size; k, v: heads x (stride / size) positions x size, of which n are read;
+ * size a multiple of 16 (bf16_rows.py checks). The heads are shared out among the threads; each head is summed
+ * in position order, whatever the threads. */
+KERNEL void attend_head(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, long n,
+                        long size, float scale) {
+    __m512 qv[16], o[16];  /* a head of up to 256 */
+    float s[n];
+    long c = size / 16;
+    for (long i = 0; i < c; i++) { qv[i] = widen(q + 16 * i, 0xffff); o[i] = _mm512_setzero_ps(); }
+    float top = -INFINITY, sum = 0;
+    for (long j = 0; j < n; j++) {
+        __m512 acc = _mm512_mul_ps(qv[0], widen(k + j * size, 0xffff));
+        for (long i = 1; i < c; i++) acc = _mm512_fmadd_ps(qv[i], widen(k + j * size + 16 * i, 0xffff), acc);
+        s[j] = _mm512_reduce_add_ps(acc) * scale;
+        top = s[j] > top ? s[j] : top;
+    }
+    for (long j = 0; j < n; j++) { s[j] = expf(s[j] - top); sum += s[j]; }
+    for (long j = 0; j < n; j++) {
+        __m512 p = _mm512_set1_ps(s[j]);
+        for (long i = 0; i < c; i++) o[i] = _mm512_fmadd_ps(p, widen(v + j * size + 16 * i, 0xffff), o[i]);
+    }
+    for (long i = 0; i < c; i++)
+        _mm256_storeu_si256((__m256i *)(out + 16 * i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(o[i], _mm512_set1_ps(sum))));
+}
+
+void bf16_attend(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                 long heads, long n, long size, long stride, float scale, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long h = 0; h < heads; h++)
+        attend_head(q + h * size, k + h * stride, v + h * stride, out + h * size, n, size, scale);
 }

@@ -37,8 +37,8 @@ ROWS = 4  # rows a pass may hold at most for the engine to choose this kernel: 0
 
 @functools.lru_cache(maxsize=None)
 def load():
-    """The kernel (bf16_rows.c's bf16_rows, through ctypes), built on the first call on this machine; None where
-    it cannot be built or run here."""
+    """The kernels (bf16_rows.c's bf16_rows and bf16_attend, through ctypes), built on the first call on this
+    machine; None where they cannot be built or run here."""
     if sys.platform != "linux" or platform.machine() != "x86_64" or not torch.cpu._is_avx512_bf16_supported():
         return None
     compiler, openmp = shutil.which("gcc"), _openmp()
@@ -52,12 +52,13 @@ def load():
     try:
         if not os.path.exists(path):
             _build(compiler, openmp, path)
-        function = ctypes.CDLL(path).bf16_rows
+        library = ctypes.CDLL(path)
     except (OSError, subprocess.SubprocessError):
         return None
-    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int]
-    function.restype = None
-    return function
+    library.bf16_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int]
+    library.bf16_attend.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_float, ctypes.c_int]
+    library.bf16_rows.restype = library.bf16_attend.restype = None
+    return library
 
 
 def _openmp():
@@ -79,7 +80,7 @@ def _build(compiler, openmp, path):
         obj, lib = os.path.join(work, "bf16_rows.o"), os.path.join(work, "bf16_rows.so")
         # -fopenmp only to compile: linked so, gcc would add the system's libgomp, a second runtime beside PyTorch's
         for command in ([compiler, "-O3", "-fPIC", "-fopenmp", "-c", SOURCE, "-o", obj],
-                        [compiler, "-shared", obj, openmp, "-o", lib]):
+                        [compiler, "-shared", obj, openmp, "-lm", "-o", lib]):
             subprocess.run(command, check=True, capture_output=True, timeout=120)
         os.replace(lib, path)
 
@@ -89,8 +90,8 @@ class Kernel:
     weight, out x in, converted), where its packed memory is laid out as bf16_rows.c reads it; else None (new)."""
 
     def __new__(cls, packed, weight):
-        function = load()
-        if function is None:
+        library = load()
+        if library is None:
             return None
         out_features, in_features = weight.shape
         blocks = -(-out_features // BLOCK)
@@ -107,7 +108,7 @@ class Kernel:
             if not torch.equal(block[:len(rows), :in_features], rows):
                 return None
         self = super().__new__(cls)
-        self.function, self.packed, self.padded = function, packed, padded
+        self.function, self.packed, self.padded = library.bf16_rows, packed, padded
         self.address, self.out_features, self.in_features = torch.ops.mkldnn.data_ptr(packed), out_features, in_features
         return self
 
@@ -123,3 +124,23 @@ class Kernel:
                       x.numel() // self.in_features, self.out_features, self.in_features, self.padded,
                       torch.get_num_threads())
         return y
+
+
+def attends(dtype, head_size):
+    """Can attend() run one row's attention over a KV cache of dtype with heads of head_size here?"""
+    return dtype == torch.bfloat16 and head_size % 16 == 0 and head_size <= 256 and load() is not None
+
+
+def attend(q, keys, values, n):
+    """One row's attention (bf16_rows.c's bf16_attend), in float32 as PyTorch's CPU attention computes it from
+    bfloat16 inputs (Head), without its conversions: q (heads, 1, size) over the first n positions of keys and
+    values (heads, length, size, contiguous: a row of the KV cache), all bfloat16 (attends() says where); the
+    heads' outputs (1, heads, 1, size), bfloat16. (Decoding calls it once a layer and row.)"""
+    heads, length, size = keys.shape
+    if not q.is_contiguous():
+        q = q.contiguous()
+    out = q.new_empty(1, heads, 1, size)
+    load().bf16_attend(q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), heads, n, size,
+                       length * size, size ** -0.5, torch.get_num_threads())
+    return out
+

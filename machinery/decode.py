@@ -14,7 +14,23 @@ import sys
 
 import torch
 
+from machinery import bf16_rows, hardware
+
 FIXED_ALIGN = 64  # a fixed cache's positions are a multiple of this (aligned for the attention kernels)
+
+
+def cache_dtype(model, device, fixed=False, compiled=False):
+    """The KV cache's dtype for model on device: bfloat16 where a bfloat16 model decodes row by row (not fixed),
+    uncompiled (dynamo cannot trace a kernel of ours), on a CPU with AMX, and our attention kernel runs
+    (bf16_rows.attend: the keys and values are bfloat16 already, so none is rounded; half the bytes of a float32
+    cache to read, in 0.4-0.6 of PyTorch's time a layer: BENCHMARKS.md), else the model's own (model.cache_dtype:
+    float32 on a CPU, where PyTorch's attention runs in float32)."""
+    device = torch.device(device)
+    head_size = model.config.n_embd // model.config.n_head
+    if device.type == "cpu" and not fixed and not compiled and next(model.parameters()).dtype == torch.bfloat16 \
+            and hardware.cpu_kind() == "AMX" and bf16_rows.attends(torch.bfloat16, head_size):
+        return torch.bfloat16
+    return model.cache_dtype(device)
 
 
 class Slots:
@@ -35,6 +51,9 @@ class Slots:
         self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.rows, self.length, self.device = rows, length, torch.device(device)
         self.free = list(range(rows))[::-1]
+        # one row's attention by our kernel (a row of one new token, on a CPU), where it runs on this cache
+        cpu = self.device.type == "cpu" and not fixed
+        self.attend = bf16_rows.attend if cpu and bf16_rows.attends(dtype, shape[-1]) else None
 
     def copy_out(self, slot, start, dest):
         """Copy the keys and values of a slot's positions start.. into dest (2, n_layer, n_head, T, head size)."""
@@ -70,7 +89,11 @@ class Rows:
         for i, (slot, length) in enumerate(self.rows):
             keys[slot, :, length:length + T] = k[i]
             values[slot, :, length:length + T] = v[i]
-            out.append(heads(q[i:i + 1], keys[slot:slot + 1, :, :length + T], values[slot:slot + 1, :, :length + T]))
+            if T == 1 and self.slots.attend is not None:
+                out.append(self.slots.attend(q[i], keys[slot], values[slot], length + 1))
+            else:
+                out.append(heads(q[i:i + 1], keys[slot:slot + 1, :, :length + T],
+                                 values[slot:slot + 1, :, :length + T]))
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def advance(self, T):

@@ -34,9 +34,10 @@ Decoding runs at the speed of memory (BENCHMARKS.md): the model is converted to 
 autocast re-casting its weights at every step; on the CPU the linear layers are prepacked for oneDNN (and
 moved into huge pages once a run is long enough to gain the move back: HUGE_PAGES_AFTER, machinery/hugepages.py;
 where the CPU has AMX, decoding a few rows reads them with our own kernel: KernelLinear), and the KV cache
-stays in float32, where attention runs. Past block_size a row goes on as nanoGPT's generate
-does: its last block_size tokens are encoded again for every new token, so it sees exactly what the
-uncached model would.
+stays in float32, where attention runs (where the CPU has AMX, a bfloat16 model's cache is bfloat16, half the
+bytes, and a decoding row attends by our own kernel: decode.cache_dtype). Past block_size a row goes on as
+nanoGPT's generate does: its last block_size tokens are encoded again for every new token, so it sees exactly
+what the uncached model would.
 """
 
 import collections
@@ -502,7 +503,8 @@ class Engine:
         self.vocab = tokenizer.vocab_size  # the tokenizer's ids: a padded vocabulary's extra rows are never drawn
         self.block_size = model.config.block_size
         self.fixed = self.device.type == "cuda" if fixed is None else fixed
-        self.slots = decode.Slots(model.config, max_batch, model.cache_dtype(self.device), self.device, self.fixed)
+        self.slots = decode.Slots(model.config, max_batch, decode.cache_dtype(model, self.device, self.fixed, compile),
+                                  self.device, self.fixed)
         self.fixed_step = decode.FixedStep(model, self.slots, compile) if self.fixed else None
         if compile and not self.fixed:
             model.compile(dynamic=True)  # in place: the engine's calls to the model run compiled

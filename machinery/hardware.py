@@ -18,7 +18,8 @@ The CPU kinds this knows (cpu_kind), and what is chosen on each (measured: BENCH
                    (ONEDNN_VERBOSE=1 names brg_matmul:avx10_1_512_amx), which block, and so round,
                    otherwise beyond some number of rows (engine.calibrate); a lone row unpadded; but
                    where a decoding pass holds at most 4 rows (sample.py with one to four samples), its
-                   products our own AVX-512 BF16 kernel's (machinery/bf16_rows.py), over AMX's packing
+                   products our own AVX-512 BF16 kernel's (machinery/bf16_rows.py), over AMX's packing;
+                   a decoding row's attention our own kernel's too, over a bfloat16 KV cache
     AVX-512 BF16   bfloat16; oneDNN's AVX-512 BF16 kernels
     AVX-512        float32 (bfloat16 only converted there, not computed)
     AVX2           float32 (bfloat16 emulated, ~50x slower; --dtype=float16 for one fast stream)
@@ -88,7 +89,8 @@ def cpu_native(dtype):
 
 
 CPU_KINDS = {  # what dtype=auto and the engine choose on each kind of CPU (the module's docstring says why)
-    "AMX": "bfloat16: oneDNN's AMX kernels, decoding 1-4 rows our own kernel (where gcc builds it)",
+    "AMX": "bfloat16: oneDNN's AMX kernels, decoding 1-4 rows our own kernel, attention ours (where gcc builds "
+           "them)",
     "AVX-512 BF16": "bfloat16: AVX-512 BF16",
     "AVX-512": "float32: bfloat16 is only converted",
     "AVX2": "float32: bfloat16 is emulated",

@@ -167,3 +167,72 @@ def test_kernel_linear_runs_prompts_as_packed_linear_and_decoding_passes_with_th
         assert torch.equal(ours(prompt), theirs(prompt))
         rows = torch.randn(3, 1, 768).to(torch.bfloat16)
         assert torch.equal(ours(rows), ours.kernel(rows.view(3, 768), linear.bias).view(3, 1, 2304))
+
+
+# ---------------------------------------------------------------------- one row's attention (bf16_attend)
+
+ATTENDS = pytest.mark.skipif(not bf16_rows.attends(torch.bfloat16, 64),
+                             reason="the attention kernel needs Linux on x86-64 with AVX-512 BF16 and gcc")
+
+
+def float64_attention(q, keys, values, n):
+    """softmax(q k^T / sqrt(size)) v over the first n positions, in float64: (heads, 1, size)."""
+    q, k, v = q.double(), keys[:, :n].double(), values[:, :n].double()
+    return torch.softmax(q @ k.transpose(1, 2) / q.size(-1) ** 0.5, dim=-1) @ v
+
+
+@ATTENDS
+@pytest.mark.parametrize("heads, size", [(12, 64), (2, 16), (3, 256)])
+def test_attention_is_float64s_within_one_bfloat16_step_and_reads_only_n_positions(heads, size):
+    """Each output is float64's attention rounded to bfloat16, or the next bfloat16 (float32 sums are a few parts
+    in 2^24 off: one step of 2^-8 only where float64's lies near a midpoint); one position gives its value
+    exactly; what lies past the n positions (NaN here) is never read."""
+    g = torch.Generator().manual_seed(size)
+    keys, values = (torch.randn(heads, 1025, size, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(heads, 1, size, generator=g).to(torch.bfloat16)
+    for n in (1, 2, 17, 300, 1025):
+        expected = float64_attention(q, keys, values, n)
+        k, v = keys.clone(), values.clone()
+        k[:, n:], v[:, n:] = float("nan"), float("nan")
+        got = bf16_rows.attend(q, k, v, n)
+        assert got.shape == (1, heads, 1, size) and got.dtype == torch.bfloat16
+        step = 2.0 ** (torch.floor(torch.log2(expected.abs())) - 7)  # one bfloat16 step at each output
+        assert ((got[0].double() - expected).abs() <= step).all(), n
+        if n == 1:
+            assert torch.equal(got[0], values[:, :1])
+
+
+@ATTENDS
+def test_attention_with_equal_scores_is_the_exact_mean_of_the_values():
+    """q = 0: every position weighs 1/n, and the mean of 16 small integers is exact in float32 and bfloat16."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.randint(-8, 9, (4, 40, 64), generator=g).to(torch.bfloat16)
+    keys = torch.randn(4, 40, 64, generator=g).to(torch.bfloat16)
+    got = bf16_rows.attend(torch.zeros(4, 1, 64, dtype=torch.bfloat16), keys, values, 16)
+    assert torch.equal(got[0], values[:, :16].double().mean(dim=1, keepdim=True).to(torch.bfloat16))
+
+
+@AMX
+@ATTENDS
+def test_a_bfloat16_engine_keeps_a_bfloat16_cache_and_decoding_rows_attend_with_the_kernel():
+    """On the AMX kind a bfloat16 engine's KV cache is bfloat16 (its keys and values are bfloat16 already: none is
+    rounded) and each decoding row attends with the kernel, a prompt's chunk with PyTorch's attention (Head); 6
+    seeded requests score alone as together; float32, or an engine that compiles the model, keep float32's cache
+    and PyTorch's attention."""
+    model = engine.prepare(small_model(n_embd=128, n_layer=2, vocab_size=300, block_size=64), "cpu", "bfloat16",
+                           rows=1)  # (2 heads of 64)
+    runner = engine.Engine(model, Tokens(300), max_batch=6)
+    assert runner.slots.k[0].dtype == torch.bfloat16 and runner.slots.attend is bf16_rows.attend
+    calls = []
+    runner.slots.attend = lambda q, keys, values, n: calls.append(n) or bf16_rows.attend(q, keys, values, n)
+    g = torch.Generator().manual_seed(4)
+    requests = [engine.Request(torch.randint(0, 300, (3 + 2 * i,), generator=g).tolist(), max_tokens=5,
+                               temperature=1.0, seed=i, logprobs=0) for i in range(6)]
+    together = scored(runner, requests)
+    # each request's 4 decoding passes (its first token comes from its prompt's pass), in each of 2 layers
+    assert sorted(calls) == sorted(n for i in range(6) for n in range(4 + 2 * i, 8 + 2 * i) for _ in range(2))
+    assert [scored(runner, [r])[0] for r in requests] == together
+    float32 = engine.Engine(engine.prepare(small_model(), "cpu", "float32", rows=1), Tokens(70))
+    compiled = engine.Engine(engine.prepare(small_model(), "cpu", "bfloat16", compile=True), Tokens(70), compile=True)
+    for other in (float32, compiled):
+        assert other.slots.k[0].dtype == torch.float32 and other.slots.attend is None
