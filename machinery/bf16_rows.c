@@ -87,6 +87,13 @@ void bf16_rows(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint1
  * bfloat16 (to nearest even). q: heads x size; k, v: heads x (stride / size) positions x size, of which n are read;
  * size a multiple of 16 (bf16_rows.py checks). The heads are shared out among the threads; each head is summed
  * in position order, whatever the threads. */
+#define AHEAD 32  /* positions ahead whose key (value) the L1 cache is asked for: 0.75-0.8 of the time without
+                     (2 threads, 12 heads of 64, 200-1024 positions) */
+
+KERNEL void ask_ahead(const uint16_t *row, long size) {  /* a position's key or value: a prefetch never faults */
+    for (long i = 0; i < size; i += 32) _mm_prefetch((const char *)(row + i), _MM_HINT_T0);
+}
+
 KERNEL void attend_head(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, long n,
                         long size, float scale) {
     __m512 qv[16], o[16];  /* a head of up to 256 */
@@ -95,6 +102,7 @@ KERNEL void attend_head(const uint16_t *q, const uint16_t *k, const uint16_t *v,
     for (long i = 0; i < c; i++) { qv[i] = widen(q + 16 * i, 0xffff); o[i] = _mm512_setzero_ps(); }
     float top = -INFINITY, sum = 0;
     for (long j = 0; j < n; j++) {
+        ask_ahead(k + (j + AHEAD) * size, size);
         __m512 acc = _mm512_mul_ps(qv[0], widen(k + j * size, 0xffff));
         for (long i = 1; i < c; i++) acc = _mm512_fmadd_ps(qv[i], widen(k + j * size + 16 * i, 0xffff), acc);
         s[j] = _mm512_reduce_add_ps(acc) * scale;
@@ -103,6 +111,7 @@ KERNEL void attend_head(const uint16_t *q, const uint16_t *k, const uint16_t *v,
     for (long j = 0; j < n; j++) { s[j] = expf(s[j] - top); sum += s[j]; }
     for (long j = 0; j < n; j++) {
         __m512 p = _mm512_set1_ps(s[j]);
+        ask_ahead(v + (j + AHEAD) * size, size);
         for (long i = 0; i < c; i++) o[i] = _mm512_fmadd_ps(p, widen(v + j * size + 16 * i, 0xffff), o[i]);
     }
     for (long i = 0; i < c; i++)
