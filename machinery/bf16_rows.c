@@ -84,9 +84,10 @@ void bf16_rows(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint1
 
 /* bf16_attend: one row's attention, each head over its first n positions (the row's own), in float32: the
  * scores q.k * scale, their softmax (minus the largest first), and the values' sum weighted by it, rounded to
- * bfloat16 (to nearest even). q: heads x size; k, v: heads x (stride / size) positions x size, of which n are read;
- * size a multiple of 16 (bf16_rows.py checks). The heads are shared out among the threads; each head is summed
- * in position order, whatever the threads. */
+ * bfloat16 (to nearest even). q, and the new key and value kn, vn: heads x size, stored first at position n - 1 of
+ * k, v: heads x (stride / size) positions x size, of which n are read; size a multiple of 16 (bf16_rows.py
+ * checks). The heads are shared out among the threads; each head is summed in position order, whatever the
+ * threads. */
 #define AHEAD 32  /* positions ahead whose key (value) the L1 cache is asked for: 0.75-0.8 of the time without
                      (2 threads, 12 heads of 64, 200-1024 positions) */
 
@@ -119,9 +120,14 @@ KERNEL void attend_head(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                             (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(o[i], _mm512_set1_ps(sum))));
 }
 
-void bf16_attend(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
-                 long heads, long n, long size, long stride, float scale, int threads) {
+void bf16_attend(const uint16_t *q, const uint16_t *kn, const uint16_t *vn, uint16_t *k, uint16_t *v,
+                 uint16_t *out, long heads, long n, long size, long stride, float scale, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long h = 0; h < heads; h++)
+    for (long h = 0; h < heads; h++) {
+        for (long i = 0; i < size; i++) {
+            k[h * stride + (n - 1) * size + i] = kn[h * size + i];
+            v[h * stride + (n - 1) * size + i] = vn[h * size + i];
+        }
         attend_head(q + h * size, k + h * stride, v + h * stride, out + h * size, n, size, scale);
+    }
 }

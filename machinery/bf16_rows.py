@@ -56,7 +56,7 @@ def load():
     except (OSError, subprocess.SubprocessError):
         return None
     library.bf16_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int]
-    library.bf16_attend.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_float, ctypes.c_int]
+    library.bf16_attend.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 4 + [ctypes.c_float, ctypes.c_int]
     library.bf16_rows.restype = library.bf16_attend.restype = None
     return library
 
@@ -131,16 +131,16 @@ def attends(dtype, head_size):
     return dtype == torch.bfloat16 and head_size % 16 == 0 and head_size <= 256 and load() is not None
 
 
-def attend(q, keys, values, n):
+def attend(q, k, v, keys, values, n):
     """One row's attention (bf16_rows.c's bf16_attend), in float32 as PyTorch's CPU attention computes it from
-    bfloat16 inputs (Head), without its conversions: q (heads, 1, size) over the first n positions of keys and
-    values (heads, length, size, contiguous: a row of the KV cache), all bfloat16 (attends() says where); the
-    heads' outputs (1, heads, 1, size), bfloat16. (Decoding calls it once a layer and row.)"""
+    bfloat16 inputs (Head), without its conversions: the new key and value k, v (heads, 1, size) stored at
+    position n - 1 of keys and values (heads, length, size, contiguous: a row of the KV cache), then q (heads, 1,
+    size) over their first n positions, all bfloat16 (attends() says where); the heads' outputs (1, heads, 1,
+    size), bfloat16. (Decoding calls it once a layer and row.)"""
     heads, length, size = keys.shape
-    if not q.is_contiguous():
-        q = q.contiguous()
+    q, k, v = (t if t.dtype == torch.bfloat16 and t.is_contiguous() else t.to(torch.bfloat16).contiguous()
+               for t in (q, k, v))
     out = q.new_empty(1, heads, 1, size)
-    load().bf16_attend(q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), heads, n, size,
-                       length * size, size ** -0.5, torch.get_num_threads())
+    load().bf16_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                       out.data_ptr(), heads, n, size, length * size, size ** -0.5, torch.get_num_threads())
     return out
-

@@ -87,13 +87,12 @@ class Rows:
         keys, values, T = self.slots.k[layer], self.slots.v[layer], q.size(2)
         out = []
         for i, (slot, length) in enumerate(self.rows):
+            if T == 1 and self.slots.attend is not None:  # (it stores the new key and value itself)
+                out.append(self.slots.attend(q[i], k[i], v[i], keys[slot], values[slot], length + 1))
+                continue
             keys[slot, :, length:length + T] = k[i]
             values[slot, :, length:length + T] = v[i]
-            if T == 1 and self.slots.attend is not None:
-                out.append(self.slots.attend(q[i], keys[slot], values[slot], length + 1))
-            else:
-                out.append(heads(q[i:i + 1], keys[slot:slot + 1, :, :length + T],
-                                 values[slot:slot + 1, :, :length + T]))
+            out.append(heads(q[i:i + 1], keys[slot:slot + 1, :, :length + T], values[slot:slot + 1, :, :length + T]))
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def advance(self, T):

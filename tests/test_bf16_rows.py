@@ -184,17 +184,19 @@ def float64_attention(q, keys, values, n):
 @ATTENDS
 @pytest.mark.parametrize("heads, size", [(12, 64), (2, 16), (3, 256)])
 def test_attention_is_float64s_within_one_bfloat16_step_and_reads_only_n_positions(heads, size):
-    """Each output is float64's attention rounded to bfloat16, or the next bfloat16 (float32 sums are a few parts
-    in 2^24 off: one step of 2^-8 only where float64's lies near a midpoint); one position gives its value
-    exactly; what lies past the n positions (NaN here) is never read."""
+    """The new key and value are stored at position n - 1 first; each output is then float64's attention rounded
+    to bfloat16, or the next bfloat16 (float32 sums are a few parts in 2^24 off: one step of 2^-8 only where
+    float64's lies near a midpoint); one position gives its value exactly; what lies past the n positions (NaN
+    here) is never read."""
     g = torch.Generator().manual_seed(size)
     keys, values = (torch.randn(heads, 1025, size, generator=g).to(torch.bfloat16) for _ in range(2))
     q = torch.randn(heads, 1, size, generator=g).to(torch.bfloat16)
     for n in (1, 2, 17, 300, 1025):
         expected = float64_attention(q, keys, values, n)
         k, v = keys.clone(), values.clone()
-        k[:, n:], v[:, n:] = float("nan"), float("nan")
-        got = bf16_rows.attend(q, k, v, n)
+        k[:, n - 1:], v[:, n - 1:] = float("nan"), float("nan")  # (position n - 1: the new key and value's)
+        got = bf16_rows.attend(q, keys[:, n - 1:n], values[:, n - 1:n], k, v, n)
+        assert torch.equal(k[:, :n], keys[:, :n]) and torch.equal(v[:, :n], values[:, :n])
         assert got.shape == (1, heads, 1, size) and got.dtype == torch.bfloat16
         step = 2.0 ** (torch.floor(torch.log2(expected.abs())) - 7)  # one bfloat16 step at each output
         assert ((got[0].double() - expected).abs() <= step).all(), n
@@ -208,7 +210,8 @@ def test_attention_with_equal_scores_is_the_exact_mean_of_the_values():
     g = torch.Generator().manual_seed(0)
     values = torch.randint(-8, 9, (4, 40, 64), generator=g).to(torch.bfloat16)
     keys = torch.randn(4, 40, 64, generator=g).to(torch.bfloat16)
-    got = bf16_rows.attend(torch.zeros(4, 1, 64, dtype=torch.bfloat16), keys, values, 16)
+    got = bf16_rows.attend(torch.zeros(4, 1, 64, dtype=torch.bfloat16), keys[:, 15:16], values[:, 15:16], keys,
+                           values, 16)
     assert torch.equal(got[0], values[:, :16].double().mean(dim=1, keepdim=True).to(torch.bfloat16))
 
 
@@ -224,7 +227,7 @@ def test_a_bfloat16_engine_keeps_a_bfloat16_cache_and_decoding_rows_attend_with_
     runner = engine.Engine(model, Tokens(300), max_batch=6)
     assert runner.slots.k[0].dtype == torch.bfloat16 and runner.slots.attend is bf16_rows.attend
     calls = []
-    runner.slots.attend = lambda q, keys, values, n: calls.append(n) or bf16_rows.attend(q, keys, values, n)
+    runner.slots.attend = lambda *args: calls.append(args[-1]) or bf16_rows.attend(*args)
     g = torch.Generator().manual_seed(4)
     requests = [engine.Request(torch.randint(0, 300, (3 + 2 * i,), generator=g).tolist(), max_tokens=5,
                                temperature=1.0, seed=i, logprobs=0) for i in range(6)]
