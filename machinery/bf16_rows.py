@@ -126,9 +126,14 @@ class Kernel:
         return y
 
 
-def attends(dtype, head_size):
-    """Can attend() run one row's attention over a KV cache of dtype with heads of head_size here?"""
-    return dtype == torch.bfloat16 and head_size % 16 == 0 and head_size <= 256 and load() is not None
+POSITIONS = 1 << 16  # positions a row may hold at most for attend(): its scores live on a thread's stack (256 KB)
+
+
+def attends(dtype, head_size, positions):
+    """Can attend() run one row's attention over a KV cache of dtype, heads of head_size, rows of up to positions
+    positions, here?"""
+    return dtype == torch.bfloat16 and head_size % 16 == 0 and head_size <= 256 and positions <= POSITIONS \
+        and load() is not None
 
 
 def attend(q, k, v, keys, values, n):

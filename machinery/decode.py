@@ -25,10 +25,10 @@ def cache_dtype(model, device, fixed=False, compiled=False):
     (bf16_rows.attend: the keys and values are bfloat16 already, so none is rounded; half the bytes of a float32
     cache to read, in 0.4-0.6 of PyTorch's time a layer: BENCHMARKS.md), else the model's own (model.cache_dtype:
     float32 on a CPU, where PyTorch's attention runs in float32)."""
-    device = torch.device(device)
-    head_size = model.config.n_embd // model.config.n_head
+    device, config = torch.device(device), model.config
     if device.type == "cpu" and not fixed and not compiled and next(model.parameters()).dtype == torch.bfloat16 \
-            and hardware.cpu_kind() == "AMX" and bf16_rows.attends(torch.bfloat16, head_size):
+            and hardware.cpu_kind() == "AMX" \
+            and bf16_rows.attends(torch.bfloat16, config.n_embd // config.n_head, config.block_size + 1):
         return torch.bfloat16
     return model.cache_dtype(device)
 
@@ -53,7 +53,7 @@ class Slots:
         self.free = list(range(rows))[::-1]
         # one row's attention by our kernel (a row of one new token, on a CPU), where it runs on this cache
         cpu = self.device.type == "cpu" and not fixed
-        self.attend = bf16_rows.attend if cpu and bf16_rows.attends(dtype, shape[-1]) else None
+        self.attend = bf16_rows.attend if cpu and bf16_rows.attends(dtype, shape[-1], length) else None
 
     def copy_out(self, slot, start, dest):
         """Copy the keys and values of a slot's positions start.. into dest (2, n_layer, n_head, T, head size)."""

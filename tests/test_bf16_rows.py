@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from machinery import bf16_rows, engine
+from machinery import bf16_rows, decode, engine
 from test_engine import Tokens, scored, small_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,7 +171,7 @@ def test_kernel_linear_runs_prompts_as_packed_linear_and_decoding_passes_with_th
 
 # ---------------------------------------------------------------------- one row's attention (bf16_attend)
 
-ATTENDS = pytest.mark.skipif(not bf16_rows.attends(torch.bfloat16, 64),
+ATTENDS = pytest.mark.skipif(not bf16_rows.attends(torch.bfloat16, 64, 1025),
                              reason="the attention kernel needs Linux on x86-64 with AVX-512 BF16 and gcc")
 
 
@@ -237,5 +237,8 @@ def test_a_bfloat16_engine_keeps_a_bfloat16_cache_and_decoding_rows_attend_with_
     assert [scored(runner, [r])[0] for r in requests] == together
     float32 = engine.Engine(engine.prepare(small_model(), "cpu", "float32", rows=1), Tokens(70))
     compiled = engine.Engine(engine.prepare(small_model(), "cpu", "bfloat16", compile=True), Tokens(70), compile=True)
-    for other in (float32, compiled):
+    odd_heads = engine.Engine(engine.prepare(small_model(n_embd=72), "cpu", "bfloat16", rows=1), Tokens(70))
+    for other in (float32, compiled, odd_heads):  # (heads of 36: not a multiple of 16)
         assert other.slots.k[0].dtype == torch.float32 and other.slots.attend is None
+    long_rows = small_model(n_embd=32, n_layer=1, block_size=bf16_rows.POSITIONS).to(torch.bfloat16)
+    assert decode.cache_dtype(long_rows, "cpu") == torch.float32  # (its scores would not fit a stack)
