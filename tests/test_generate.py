@@ -142,6 +142,14 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert kept(0.99) == [True, True, True, True]
 
 
+def test_top_p_among_equal_tokens_keeps_the_first_ones_of_the_vocabulary():
+    """Ties are cut in the vocabulary's order (a stable sort), whatever the row's place in its batch: 4 equal
+    tokens with top_p 0.5 keep the first two, 0.75 the first three."""
+    logits = torch.zeros(3, 4)
+    assert filter_logits(logits, top_p=0.5).isfinite().tolist() == [[True, True, False, False]] * 3
+    assert filter_logits(logits, top_p=0.75).isfinite().tolist() == [[True, True, True, False]] * 3
+
+
 def test_tiny_top_p_picks_the_argmax():
     logits = torch.randn(64, 100, generator=torch.Generator().manual_seed(1))
     g = torch.Generator().manual_seed(2)
