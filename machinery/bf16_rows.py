@@ -27,6 +27,7 @@ import tempfile
 
 import torch
 
+from machinery import hardware
 from machinery.fileio import cache_path
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bf16_rows.c")
@@ -124,6 +125,12 @@ class Kernel:
                       x.numel() // self.in_features, self.out_features, self.in_features, self.padded,
                       torch.get_num_threads())
         return y
+
+
+def chosen():
+    """Do the engine's decoding passes run these kernels here: built, on a CPU with AMX (where they were measured
+    faster than oneDNN's and PyTorch's: BENCHMARKS.md)?"""
+    return hardware.cpu_kind() == "AMX" and load() is not None
 
 
 POSITIONS = 1 << 16  # positions a row may hold at most for attend(): its scores live on a thread's stack (256 KB)

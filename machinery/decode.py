@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from machinery import bf16_rows, hardware
+from machinery import bf16_rows
 
 FIXED_ALIGN = 64  # a fixed cache's positions are a multiple of this (aligned for the attention kernels)
 
@@ -27,8 +27,8 @@ def cache_dtype(model, device, fixed=False, compiled=False):
     float32 on a CPU, where PyTorch's attention runs in float32)."""
     device, config = torch.device(device), model.config
     if device.type == "cpu" and not fixed and not compiled and next(model.parameters()).dtype == torch.bfloat16 \
-            and hardware.cpu_kind() == "AMX" \
-            and bf16_rows.attends(torch.bfloat16, config.n_embd // config.n_head, config.block_size + 1):
+            and bf16_rows.chosen() and bf16_rows.attends(torch.bfloat16, config.n_embd // config.n_head,
+                                                         config.block_size + 1):
         return torch.bfloat16
     return model.cache_dtype(device)
 

@@ -443,8 +443,7 @@ def prepare(model, device, dtype, compile=False, quantize=None, rows=None):
 def uses_kernel(dtype, rows):
     """Do passes of at most rows rows (None: not known) in dtype decode with our own kernel (KernelLinear) here:
     bfloat16, on a CPU with AMX (where it was measured faster: BENCHMARKS.md), where it can be built?"""
-    return dtype == "bfloat16" and rows is not None and rows <= bf16_rows.ROWS and hardware.cpu_kind() == "AMX" \
-        and bf16_rows.load() is not None
+    return dtype == "bfloat16" and rows is not None and rows <= bf16_rows.ROWS and bf16_rows.chosen()
 
 
 def _pack(model, packed, dtype):
