@@ -20,7 +20,8 @@
 #include <math.h>
 #include <stdint.h>
 
-#define KERNEL __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static inline
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define KERNEL TARGET static inline
 #define GROUP 4        /* rows computed together: each reads a block's weights once for all of them */
 #define PREFETCH 128   /* 64-byte lines ahead (8 KB) that a pass over a block asks the L2 cache for, both lines of
                           each pair: 0.76-0.83 of the time without, where the L1 (T0) or one line of two was asked for */
@@ -120,14 +121,129 @@ KERNEL void attend_head(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                             (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(o[i], _mm512_set1_ps(sum))));
 }
 
+KERNEL void store_and_attend(const uint16_t *q, const uint16_t *kn, const uint16_t *vn, uint16_t *k, uint16_t *v,
+                             uint16_t *out, long n, long size, float scale) {  /* one head */
+    for (long i = 0; i < size; i++) {
+        k[(n - 1) * size + i] = kn[i];
+        v[(n - 1) * size + i] = vn[i];
+    }
+    attend_head(q, k, v, out, n, size, scale);
+}
+
 void bf16_attend(const uint16_t *q, const uint16_t *kn, const uint16_t *vn, uint16_t *k, uint16_t *v,
                  uint16_t *out, long heads, long n, long size, long stride, float scale, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long h = 0; h < heads; h++) {
-        for (long i = 0; i < size; i++) {
-            k[h * stride + (n - 1) * size + i] = kn[h * size + i];
-            v[h * stride + (n - 1) * size + i] = vn[h * size + i];
+    for (long h = 0; h < heads; h++)
+        store_and_attend(q + h * size, kn + h * size, vn + h * size, k + h * stride, v + h * stride, out + h * size,
+                         n, size, scale);
+}
+
+/*
+ * bf16_layer_norm, bf16_gelu, bf16_block: a whole transformer block (model.py's Block) for a decoding pass of a
+ * few rows, one new position each, in one call: a pass spends a third of its time between the products in
+ * PyTorch's operations and Python around them otherwise (BENCHMARKS.md). Each step rounds to bfloat16 where
+ * PyTorch's bfloat16 Block rounds, and computes in float32 between, as PyTorch's CPU kernels do: a result may
+ * differ from PyTorch's in its last bit where the two float32 values lie either side of a rounding boundary.
+ */
+#define LANES(C) for (long c = 0; c < (C); c += 16)
+#define MASK(C) ((C) - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << ((C) - c)) - 1))
+
+KERNEL void store(uint16_t *y, __m512 v, __mmask16 mask) {  /* rounded to bfloat16, to nearest even */
+    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* M rows of C: (x - mean) / sqrt(variance + eps) * g + b (b may be NULL), mean and variance over the row's C in
+ * float32 (the variance from the mean: two passes) */
+TARGET void bf16_layer_norm(const uint16_t *x, const uint16_t *g, const uint16_t *b, uint16_t *y, long M, long C,
+                     float eps) {
+    for (long m = 0; m < M; m++, x += C, y += C) {
+        __m512 sum = _mm512_setzero_ps(), squares = _mm512_setzero_ps();
+        LANES(C) sum = _mm512_add_ps(sum, widen(x + c, MASK(C)));
+        float mean = _mm512_reduce_add_ps(sum) / C;
+        LANES(C) {
+            __m512 d = _mm512_maskz_sub_ps(MASK(C), widen(x + c, MASK(C)), _mm512_set1_ps(mean));
+            squares = _mm512_fmadd_ps(d, d, squares);
         }
-        attend_head(q + h * size, k + h * stride, v + h * stride, out + h * size, n, size, scale);
+        float rstd = 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / C + eps);
+        __m512 scale = _mm512_set1_ps(rstd), shift = _mm512_set1_ps(-mean * rstd);
+        LANES(C) {
+            __m512 v = _mm512_mul_ps(_mm512_fmadd_ps(widen(x + c, MASK(C)), scale, shift), widen(g + c, MASK(C)));
+            store(y + c, b ? _mm512_add_ps(v, widen(b + c, MASK(C))) : v, MASK(C));
+        }
     }
+}
+
+KERNEL __m512 exp_ps(__m512 x) {  /* e^x, within 2 units in float32's last place (x clamped to [-104, 88]: 0 below,
+                                    the largest float32 e^x above) */
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-104.0f));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), x);  /* x - k ln 2, ln 2 in two parts */
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);  /* e^r's Taylor series to r^7: |r| <= 0.35, error below 6e-9 */
+    static const float c[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 7; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
+    return _mm512_scalef_ps(p, k);
+}
+
+KERNEL __m512 gelu_erf(__m512 x) {  /* x * P(X <= x), X standard normal: through erfc, accurate in both tails */
+    __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(0.707106781f));
+    /* erfc(z) = t exp(-z^2 + poly(t)), t = 1 / (1 + z / 2): fractional error below 1.2e-7 for z >= 0 (Numerical
+     * Recipes' erfcc, a Chebyshev fit) */
+    __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(z, _mm512_set1_ps(0.5f), _mm512_set1_ps(1.0f)));
+    static const float c[] = {1.48851587f, -1.13520398f, 0.27886807f, -0.18628806f, 0.09678418f, 0.37409196f,
+                              1.00002368f, -1.26551223f};
+    __m512 p = _mm512_set1_ps(0.17087277f);
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.82215223f));
+    for (int i = 0; i < 8; i++) p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(c[i]));
+    __m512 half_erfc = _mm512_mul_ps(_mm512_mul_ps(t, exp_ps(_mm512_fnmadd_ps(z, z, p))), _mm512_set1_ps(0.5f));
+    __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    /* x >= 0: x (1 - erfc / 2); x < 0: x erfc / 2 */
+    __m512 p_x = _mm512_mask_blend_ps(negative, _mm512_sub_ps(_mm512_set1_ps(1.0f), half_erfc), half_erfc);
+    return _mm512_mul_ps(x, p_x);
+}
+
+KERNEL __m512 gelu_tanh(__m512 x) {  /* x (1 + tanh(u)) / 2, u = sqrt(2/pi) (x + 0.044715 x^3), as x / (1 + e^(-2u))
+                                       for u >= 0 and x e^(2u) / (1 + e^(2u)) below: accurate in both tails */
+    __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.797884561f),
+                             _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(x, x), x), _mm512_set1_ps(0.044715f), x));
+    __m512 e = exp_ps(_mm512_mul_ps(_mm512_abs_ps(u), _mm512_set1_ps(-2.0f)));
+    __mmask16 negative = _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_div_ps(_mm512_mask_mul_ps(x, negative, x, e), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+/* y = GELU(x), n values (y may be x): tanh's approximation (GPT-2's) or the exact one (erf) */
+TARGET void bf16_gelu(const uint16_t *x, uint16_t *y, long n, int tanh) {
+    LANES(n) store(y + c, tanh ? gelu_tanh(widen(x + c, MASK(n))) : gelu_erf(widen(x + c, MASK(n))), MASK(n));
+}
+
+KERNEL void add_to(uint16_t *x, const uint16_t *a, long n) {  /* x += a, rounded to bfloat16 */
+    LANES(n) store(x + c, _mm512_add_ps(widen(x + c, MASK(n)), widen(a + c, MASK(n))), MASK(n));
+}
+
+/* One Block for M rows x (M x C, bfloat16, updated in place), one new position each: row m's keys and values
+ * k[m], v[m] (heads x stride), its new ones stored at position n[m] - 1. w: the block's tensors, in order LayerNorm
+ * 1's weight and bias, the q/k/v product's packed weight and bias, W_O's, LayerNorm 2's, the MLP's two products'
+ * (a bias may be NULL); d: C, the MLP's width, heads, head size, each packed weight's padded inputs (4), GELU's
+ * kind (1: tanh). The rows' attention heads are shared out among the threads, as each product's blocks. */
+TARGET void bf16_block(const void *const *w, const long *d, float eps, uint16_t *x, long M, uint16_t *const *k,
+                       uint16_t *const *v, const long *n, long stride, int threads) {
+    long C = d[0], H = d[1], heads = d[2], size = d[3];
+    uint16_t h[M * C], qkv[M * 3 * C], y[M * C], a[M * C], f[M * H];
+    float scale = 1.0f / sqrtf((float)size);
+    bf16_layer_norm(x, w[0], w[1], h, M, C, eps);
+    bf16_rows(w[2], h, w[3], qkv, M, 3 * C, C, d[4], threads);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long i = 0; i < M * heads; i++) {
+        long m = i / heads, j = i % heads;
+        const uint16_t *row = qkv + m * 3 * C + j * size;
+        store_and_attend(row, row + C, row + 2 * C, k[m] + j * stride, v[m] + j * stride, y + m * C + j * size,
+                         n[m], size, scale);
+    }
+    bf16_rows(w[4], y, w[5], a, M, C, C, d[5], threads);
+    add_to(x, a, M * C);
+    bf16_layer_norm(x, w[6], w[7], h, M, C, eps);
+    bf16_rows(w[8], h, w[9], f, M, H, C, d[6], threads);
+    bf16_gelu(f, f, M * H, d[8]);
+    bf16_rows(w[10], f, w[11], a, M, C, H, d[7], threads);
+    add_to(x, a, M * C);
 }

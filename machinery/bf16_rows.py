@@ -58,7 +58,13 @@ def load():
         return None
     library.bf16_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int]
     library.bf16_attend.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 4 + [ctypes.c_float, ctypes.c_int]
-    library.bf16_rows.restype = library.bf16_attend.restype = None
+    library.bf16_layer_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_float]
+    library.bf16_gelu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_int]
+    library.bf16_block.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_long] + \
+        [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int]
+    for function in (library.bf16_rows, library.bf16_attend, library.bf16_layer_norm, library.bf16_gelu,
+                     library.bf16_block):
+        function.restype = None
     return library
 
 
@@ -156,3 +162,51 @@ def attend(q, k, v, keys, values, n):
     load().bf16_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), keys.data_ptr(), values.data_ptr(),
                        out.data_ptr(), heads, n, size, length * size, size ** -0.5, torch.get_num_threads())
     return out
+
+
+STACK = 1 << 20  # bytes of a pass's activations that bf16_block may hold on the calling thread's stack, at most
+
+
+class BlockKernel:
+    """bf16_rows.c's bf16_block bound to one of model.py's Blocks whose four products are bound Kernels
+    (KernelLinear's), its LayerNorms and biases bfloat16, without qk_norm, heads that attend() takes; else None
+    (new). Called on a decoding pass of a few rows, it is the whole Block in one call (BENCHMARKS.md)."""
+
+    def __new__(cls, block):
+        attn, ffwd, norms = block.attn, block.ffwd, (block.ln1, block.ln2)
+        products = (attn.qkv, attn.proj, ffwd.fc, ffwd.proj)
+        kernels = [getattr(p, "kernel", None) for p in products]
+        C, hidden = attn.qkv.in_features, ffwd.fc.out_features
+        tensors = [t for m in norms for t in (m.weight, m.bias)] + [p.bias for p in products]
+        tensors = [t for t in tensors if t is not None]
+        if any(k is None for k in kernels) or attn.qk_norm or ffwd.gelu.approximate not in ("none", "tanh") \
+                or any(n.normalized_shape != (C,) or n.weight is None or n.eps != norms[0].eps for n in norms) \
+                or any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in tensors) \
+                or not attends(torch.bfloat16, attn.head_size, 1) or (6 * C + hidden) * ROWS * 2 > STACK:
+            return None
+        self = super().__new__(cls)
+        (ln1, ln2), (qkv, proj, fc, mlp_proj) = norms, products
+        bound = (ln1.weight, ln1.bias, kernels[0], qkv.bias, kernels[1], proj.bias,
+                 ln2.weight, ln2.bias, kernels[2], fc.bias, kernels[3], mlp_proj.bias)  # (bf16_block's order)
+        pointers = [None if t is None else t.address if isinstance(t, Kernel) else t.data_ptr() for t in bound]
+        self.tensors = tensors  # (held: the kernel reads them)
+        self.pointers = (ctypes.c_void_p * 12)(*pointers)
+        self.dims = (ctypes.c_long * 9)(C, hidden, attn.n_head, attn.head_size, *(k.padded for k in kernels),
+                                        ffwd.gelu.approximate == "tanh")
+        self.eps, self.function = norms[0].eps, load().bf16_block
+        return self
+
+    def __call__(self, x, caches):
+        """The Block's output for x (rows, 1, C), bfloat16, each row's new key and value stored in its cache:
+        caches [(keys, values, n)], a row's keys and values (heads, length, size), n its positions after this one.
+        (ROWS rows a call: each row is computed alone, so how they are grouped changes nothing.)"""
+        out = x.clone(memory_format=torch.contiguous_format)
+        stride, threads = caches[0][0].stride(0), torch.get_num_threads()
+        for start in range(0, len(caches), ROWS):
+            group = caches[start:start + ROWS]
+            keys = (ctypes.c_void_p * len(group))(*[k.data_ptr() for k, _, _ in group])
+            values = (ctypes.c_void_p * len(group))(*[v.data_ptr() for _, v, _ in group])
+            n = (ctypes.c_long * len(group))(*[n for _, _, n in group])
+            self.function(self.pointers, self.dims, self.eps, out[start].data_ptr(), len(group), keys, values, n,
+                          stride, threads)
+        return out

@@ -95,6 +95,14 @@ class Rows:
             out.append(heads(q[i:i + 1], keys[slot:slot + 1, :, :length + T], values[slot:slot + 1, :, :length + T]))
         return torch.cat(out) if len(out) > 1 else out[0]
 
+    def kernel_rows(self, layer):
+        """Each row's (keys, values, positions after its new one) in layer, for a pass of one new position a row
+        that our kernel computes (engine.KernelBlock), where the cache is one that our attention reads; else None."""
+        if self.slots.attend is None:
+            return None
+        keys, values = self.slots.k[layer], self.slots.v[layer]
+        return [(keys[slot], values[slot], length + 1) for slot, length in self.rows]
+
     def advance(self, T):
         pass  # the engine keeps each row's length
 

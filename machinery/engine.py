@@ -59,7 +59,7 @@ from machinery import quantize as quantization
 from machinery.calibration_cache import layer_key
 from machinery.errors import first_line
 from machinery.prefix_cache import PrefixCache
-from model import attention_backends, sample_next
+from model import Block, attention_backends, sample_next
 
 FINISHED = ("stop", "length", "abort", "error")  # why a generation ended: a stop text or token, max_tokens,
 # cancelled, failed
@@ -330,6 +330,33 @@ class KernelLinear(PackedLinear):
         return super().forward(x)
 
 
+class KernelBlock(Block):
+    """A Block whose decoding passes (one position a row, over a KV cache that our attention kernel reads: an
+    engine's every such pass, or none) run as one call of our own a few rows (bf16_rows.BlockKernel: LayerNorms,
+    products, attention, GELU and residuals, each row alone, rounded where PyTorch rounds); prompts' chunks run
+    the Block's own modules, which it shares (the same parameters, the same names)."""
+
+    def __init__(self, block, kernel):
+        nn.Module.__init__(self)
+        self.ln1, self.attn, self.ln2, self.ffwd = block.ln1, block.attn, block.ln2, block.ffwd
+        self.kernel = kernel
+
+    def forward(self, x, kv_cache=None, layer=0):
+        if x.size(1) == 1 and x.dtype == torch.bfloat16 and kv_cache is not None:
+            caches = kv_cache.kernel_rows(layer) if hasattr(kv_cache, "kernel_rows") else None
+            if caches is not None:
+                return self.kernel(x, caches)
+        return super().forward(x, kv_cache, layer)
+
+
+def _fuse(model):
+    """Each of model's Blocks that bf16_rows.BlockKernel can bind made a KernelBlock."""
+    for i, block in enumerate(model.blocks):
+        kernel = bf16_rows.BlockKernel(block)
+        if kernel is not None:
+            model.blocks[i] = KernelBlock(block, kernel)
+
+
 def _contiguous(weight):
     """weight in row-major order, as oneDNN packs it. A Hugging Face GPT-2's matrices load transposed (its
     Conv1D layout, in x out), and PyTorch copies a transposed matrix in one thread, block by block; seen as 3-d
@@ -437,6 +464,8 @@ def prepare(model, device, dtype, compile=False, quantize=None, rows=None):
         rows_linear = packed if packs else RowsLinear
         for module, name, linear in _linear_layers(model):
             setattr(module, name, rows_linear(linear))
+        if rows_linear is KernelLinear:
+            _fuse(model)
     return model
 
 

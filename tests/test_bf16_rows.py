@@ -145,14 +145,14 @@ def test_with_the_kernel_a_requests_scores_do_not_depend_on_how_many_rows_decode
 
 
 class Counted:
-    """A kernel that notes the rows of each product it computes."""
+    """A kernel that notes the rows of each call."""
 
     def __init__(self, kernel, calls):
         self.kernel, self.calls = kernel, calls
 
-    def __call__(self, x, bias=None):
+    def __call__(self, x, *args):
         self.calls.append(x.shape[0])
-        return self.kernel(x, bias)
+        return self.kernel(x, *args)
 
 
 @AMX
@@ -219,11 +219,12 @@ def test_attention_with_equal_scores_is_the_exact_mean_of_the_values():
 @ATTENDS
 def test_a_bfloat16_engine_keeps_a_bfloat16_cache_and_decoding_rows_attend_with_the_kernel():
     """On the AMX kind a bfloat16 engine's KV cache is bfloat16 (its keys and values are bfloat16 already: none is
-    rounded) and each decoding row attends with the kernel, a prompt's chunk with PyTorch's attention (Head); 6
+    rounded) and each decoding row attends with the kernel (where the Blocks are PyTorch's: passes of more rows
+    than KernelLinear's), a prompt's chunk with PyTorch's attention (Head); 6
     seeded requests score alone as together; float32, or an engine that compiles the model, keep float32's cache
     and PyTorch's attention."""
     model = engine.prepare(small_model(n_embd=128, n_layer=2, vocab_size=300, block_size=64), "cpu", "bfloat16",
-                           rows=1)  # (2 heads of 64)
+                           rows=6)  # (2 heads of 64; oneDNN's products, the Blocks PyTorch's: each attends)
     runner = engine.Engine(model, Tokens(300), max_batch=6)
     assert runner.slots.k[0].dtype == torch.bfloat16 and runner.slots.attend is bf16_rows.attend
     calls = []
@@ -242,3 +243,130 @@ def test_a_bfloat16_engine_keeps_a_bfloat16_cache_and_decoding_rows_attend_with_
         assert other.slots.k[0].dtype == torch.float32 and other.slots.attend is None
     long_rows = small_model(n_embd=32, n_layer=1, block_size=bf16_rows.POSITIONS).to(torch.bfloat16)
     assert decode.cache_dtype(long_rows, "cpu") == torch.float32  # (its scores would not fit a stack)
+
+
+# ---------------------------------------------------------------------- a whole Block (bf16_block)
+
+def gelu(x, approximate):
+    y = torch.empty_like(x)
+    bf16_rows.load().bf16_gelu(x.data_ptr(), y.data_ptr(), x.numel(), approximate == "tanh")
+    return y
+
+
+def layer_norm(x, norm):
+    y = torch.empty_like(x)
+    bf16_rows.load().bf16_layer_norm(x.data_ptr(), norm.weight.data_ptr(), None if norm.bias is None else
+                                     norm.bias.data_ptr(), y.data_ptr(), x.numel() // x.size(-1), x.size(-1),
+                                     norm.eps)
+    return y
+
+
+@KERNEL
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_is_float64s_rounded_to_bfloat16_for_every_bfloat16(approximate):
+    """Every finite bfloat16 x (65,280 of them): GELU(x) computed in float64 (x Phi(x) through erfc, or tanh's
+    approximation as x / (1 + e^(-2u)): neither cancels in a tail) and rounded to bfloat16 is exactly the kernel's,
+    wherever it is a normal number (2^-126 or more); below, the kernel's is too."""
+    x = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = x[x.float().isfinite()].contiguous()
+    d = x.double()
+    if approximate == "none":
+        expected = d * torch.special.erfc(-d / 2 ** 0.5) / 2
+    else:
+        expected = d / (1 + torch.exp(-2 * (2 / torch.pi) ** 0.5 * (d + 0.044715 * d ** 3)))
+    got, normal = gelu(x, approximate), expected.abs() >= 2.0 ** -126
+    assert len(x) == 65280 and torch.equal(got[normal], expected[normal].to(torch.bfloat16))
+    assert (got[~normal].float().abs() < 2.0 ** -126).all()
+
+
+@KERNEL
+@pytest.mark.parametrize("C, bias", [(768, True), (100, False), (24, True)])
+def test_layer_norm_is_float64s_within_rounding_and_float32s_error(C, bias):
+    """Rows of various means and spreads: each output is float64's LayerNorm within half a bfloat16 step (the
+    rounding) plus float32's error, a few parts in 2^24 of the terms' magnitudes ((|x| + |mean|) rstd |w| + |b|:
+    2^-20 of them allowed), where an output near 0 is a difference of larger terms; all but a few in ten thousand
+    are float64's rounded."""
+    g = torch.Generator().manual_seed(C)
+    x = (torch.randn(500, C, generator=g) * torch.rand(500, 1, generator=g) * 5 + torch.randn(500, 1, generator=g))
+    norm = torch.nn.LayerNorm(C, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(C, generator=g) * 0.3 + 1)
+        if bias:
+            norm.bias.copy_(torch.randn(C, generator=g) * 0.1)
+    x = x.to(torch.bfloat16)
+    d, w, b = x.double(), norm.weight.double(), norm.bias.double() if bias else torch.zeros(C, dtype=torch.float64)
+    mean, variance = d.mean(-1, keepdim=True), d.var(-1, unbiased=False, keepdim=True)
+    rstd = 1 / (variance + norm.eps).sqrt()
+    expected = (d - mean) * rstd * w + b
+    terms = (d.abs() + mean.abs()) * rstd * w.abs() + b.abs()
+    got = layer_norm(x, norm)
+    half_step = 2.0 ** (torch.floor(torch.log2(expected.abs())) - 8)
+    assert ((got.double() - expected).abs() <= half_step + terms * 2.0 ** -20).all()
+    assert (got != expected.to(torch.bfloat16)).sum() <= x.numel() * 5e-4
+
+
+def block_by_steps(block, x, caches):
+    """What bf16_block computes, step by step from the parts tested on their own: LayerNorm, the q/k/v product,
+    each row's attention (storing its key and value), W_O, the residual (PyTorch's bfloat16 addition: float32,
+    rounded), LayerNorm, the MLP's product, GELU, its projection, the residual."""
+    attn, ffwd = block.attn, block.ffwd
+    rows, _, C = x.shape
+    qkv = attn.qkv.kernel(layer_norm(x, block.ln1), attn.qkv.bias).view(rows, 3, attn.n_head, 1, attn.head_size)
+    heads = torch.cat([bf16_rows.attend(qkv[i, 0], qkv[i, 1], qkv[i, 2], keys, values, n)
+                       for i, (keys, values, n) in enumerate(caches)]).view(rows, 1, C)
+    x = x + attn.proj.kernel(heads, attn.proj.bias)
+    hidden = gelu(ffwd.fc.kernel(layer_norm(x, block.ln2), ffwd.fc.bias), ffwd.gelu.approximate)
+    return x + ffwd.proj.kernel(hidden, ffwd.proj.bias)
+
+
+@AMX
+@ATTENDS
+@pytest.mark.parametrize("bias, approximate", [(True, "tanh"), (False, "none")])
+def test_a_block_kernel_is_the_blocks_steps_in_order_each_row_alone(bias, approximate):
+    """1 to 9 rows (groups of 4 and the rest), each after its own number of positions: bf16_block's output and the
+    keys and values it stores are bit for bit those of the Block's steps taken one by one (block_by_steps), with
+    and without biases, either GELU."""
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(5)
+    config = GPTConfig(block_size=64, vocab_size=80, n_layer=1, n_head=2, n_embd=128, bias=bias, gelu=approximate)
+    block = engine.prepare(GPT(config), "cpu", "bfloat16", rows=1).blocks[0]
+    assert isinstance(block, engine.KernelBlock)
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, 1, 128).to(torch.bfloat16)
+        caches = [(torch.randn(2, 65, 64).to(torch.bfloat16), torch.randn(2, 65, 64).to(torch.bfloat16),
+                   1 + 7 * i) for i in range(rows)]
+        twins = [(k.clone(), v.clone(), n) for k, v, n in caches]
+        got = block.kernel(x, caches)
+        assert torch.equal(got, block_by_steps(block, x, twins))
+        assert all(torch.equal(a, b) for (k, v, _), (k2, v2, _) in zip(caches, twins) for a, b in ((k, k2), (v, v2)))
+
+
+@AMX
+@ATTENDS
+def test_an_engine_of_the_kernels_decodes_every_block_with_one_call_each_row_alone():
+    """prepare(rows=1) makes every Block a KernelBlock (not where a pass may hold more rows than KernelLinear's,
+    in float32, or with qk_norm); in an engine its decoding passes run the kernel (prompts PyTorch's Block) and
+    9 seeded requests (passes of up to 9 rows) score together as each one alone."""
+    def blocks(dtype, rows, **options):
+        model = engine.prepare(small_model(n_embd=128, **options), "cpu", dtype, rows=rows)
+        return model, {type(b).__name__ for b in model.blocks}
+
+    from model import GPT, GPTConfig
+
+    assert blocks("bfloat16", bf16_rows.ROWS + 1)[1] == blocks("float32", 1)[1] == {"Block"}
+    qk = engine.prepare(GPT(GPTConfig(block_size=32, vocab_size=70, n_layer=1, n_head=2, n_embd=128, qk_norm=True)),
+                        "cpu", "bfloat16", rows=1)
+    assert {type(b).__name__ for b in qk.blocks} == {"Block"}
+    model, kinds = blocks("bfloat16", 1, vocab_size=300, block_size=64)
+    assert kinds == {"KernelBlock"}
+    calls = []
+    for block in model.blocks:
+        block.kernel = Counted(block.kernel, calls)
+    runner = engine.Engine(model, Tokens(300), max_batch=9)
+    g = torch.Generator().manual_seed(6)
+    requests = [engine.Request(torch.randint(0, 300, (2 + i,), generator=g).tolist(), max_tokens=5,
+                               temperature=1.0, seed=i, logprobs=0) for i in range(9)]
+    together = scored(runner, requests)
+    assert calls and max(calls) > 1 and set(calls) <= set(range(1, 10))
+    assert [scored(runner, [r])[0] for r in requests] == together
