@@ -1,7 +1,7 @@
 /*
- * Decoding's two kernels of our own, in bfloat16 (machinery/bf16_rows.py builds this file and says when each is
- * used, and why): a few rows times a weight that oneDNN has packed (bf16_rows), and one row's attention over its
- * keys and values (bf16_attend).
+ * Decoding's kernels of our own, in bfloat16 (machinery/bf16_rows.py builds this file and says when each is
+ * used, and why): a few rows times a weight that oneDNN has packed (bf16_rows), one row's attention over its
+ * keys and values (bf16_attend), and a whole Block of a few rows, one new position each (bf16_block).
  *
  * bf16_rows: a few rows of bfloat16 inputs times a bfloat16 weight that oneDNN has packed for its AMX kernels.
  *

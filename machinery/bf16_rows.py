@@ -1,5 +1,6 @@
 """Decoding's matrix products on a CPU with AMX, by a small kernel of our own (bf16_rows.c): a few rows of
-bfloat16 inputs times a weight that oneDNN has packed, read in place.
+bfloat16 inputs times a weight that oneDNN has packed, read in place; and, with it, one row's attention
+(attend) and a decoding pass's whole Block (BlockKernel).
 
 Why: decoding reads every weight once a token, so its speed is the memory's. oneDNN's AMX kernel does not
 reach it at a few rows: GPT-2 124M's 49 products of one row take it 20-24 ms on BENCHMARKS.md's machine C, and

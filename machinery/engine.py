@@ -35,7 +35,8 @@ autocast re-casting its weights at every step; on the CPU the linear layers are 
 moved into huge pages once a run is long enough to gain the move back: HUGE_PAGES_AFTER, machinery/hugepages.py;
 where the CPU has AMX, decoding a few rows reads them with our own kernel: KernelLinear), and the KV cache
 stays in float32, where attention runs (where the CPU has AMX, a bfloat16 model's cache is bfloat16, half the
-bytes, and a decoding row attends by our own kernel: decode.cache_dtype). Past block_size a row goes on as
+bytes, and a decoding row attends by our own kernel: decode.cache_dtype; with both, a decoding pass runs each
+Block as one call of ours, without PyTorch's operations between the products: KernelBlock). Past block_size a row goes on as
 nanoGPT's generate does: its last block_size tokens are encoded again for every new token, so it sees exactly
 what the uncached model would.
 """
