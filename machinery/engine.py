@@ -36,9 +36,9 @@ moved into huge pages once a run is long enough to gain the move back: HUGE_PAGE
 where the CPU has AMX, decoding a few rows reads them with our own kernel: KernelLinear), and the KV cache
 stays in float32, where attention runs (where the CPU has AMX, a bfloat16 model's cache is bfloat16, half the
 bytes, and a decoding row attends by our own kernel: decode.cache_dtype; with both, a decoding pass runs each
-Block as one call of ours, without PyTorch's operations between the products: KernelBlock). Past block_size a row goes on as
-nanoGPT's generate does: its last block_size tokens are encoded again for every new token, so it sees exactly
-what the uncached model would.
+Block as one call of ours, without PyTorch's operations between the products: KernelBlock). Past block_size a
+row goes on as nanoGPT's generate does: its last block_size tokens are encoded again for every new token, so it
+sees exactly what the uncached model would.
 """
 
 import collections
@@ -333,9 +333,10 @@ class KernelLinear(PackedLinear):
 
 class KernelBlock(Block):
     """A Block whose decoding passes (one position a row, over a KV cache that our attention kernel reads: an
-    engine's every such pass, or none) run as one call of our own a few rows (bf16_rows.BlockKernel: LayerNorms,
-    products, attention, GELU and residuals, each row alone, rounded where PyTorch rounds); prompts' chunks run
-    the Block's own modules, which it shares (the same parameters, the same names)."""
+    engine's every such pass, or none) run as one call of our own for up to bf16_rows.ROWS rows
+    (bf16_rows.BlockKernel: LayerNorms, products, attention, GELU and residuals, each row alone, rounded where
+    PyTorch rounds); prompts' chunks run the Block's own modules, which it shares (the same parameters, the same
+    names)."""
 
     def __init__(self, block, kernel):
         nn.Module.__init__(self)
@@ -343,11 +344,9 @@ class KernelBlock(Block):
         self.kernel = kernel
 
     def forward(self, x, kv_cache=None, layer=0):
-        if x.size(1) == 1 and x.dtype == torch.bfloat16 and kv_cache is not None:
-            caches = kv_cache.kernel_rows(layer) if hasattr(kv_cache, "kernel_rows") else None
-            if caches is not None:
-                return self.kernel(x, caches)
-        return super().forward(x, kv_cache, layer)
+        rows = getattr(kv_cache, "kernel_rows", None)  # (decode.Rows's; model.generate's own cache has none)
+        caches = rows(layer) if rows is not None and x.size(1) == 1 and x.dtype == torch.bfloat16 else None
+        return self.kernel(x, caches) if caches is not None else super().forward(x, kv_cache, layer)
 
 
 def _fuse(model):
