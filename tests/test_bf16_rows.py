@@ -321,20 +321,23 @@ def block_by_steps(block, x, caches):
 
 @AMX
 @ATTENDS
-@pytest.mark.parametrize("bias, approximate", [(True, "tanh"), (False, "none")])
-def test_a_block_kernel_is_the_blocks_steps_in_order_each_row_alone(bias, approximate):
+@pytest.mark.parametrize("bias, approximate, n_embd, n_head, mlp_ratio",
+                         [(True, "tanh", 128, 2, 4), (False, "none", 128, 2, 4), (True, "none", 80, 5, 3)])
+def test_a_block_kernel_is_the_blocks_steps_in_order_each_row_alone(bias, approximate, n_embd, n_head, mlp_ratio):
     """1 to 9 rows (groups of 4 and the rest), each after its own number of positions: bf16_block's output and the
     keys and values it stores are bit for bit those of the Block's steps taken one by one (block_by_steps), with
-    and without biases, either GELU."""
+    and without biases, either GELU, and widths that are not a multiple of 32 (80: oneDNN pads the outputs; 240)."""
     from model import GPT, GPTConfig
 
     torch.manual_seed(5)
-    config = GPTConfig(block_size=64, vocab_size=80, n_layer=1, n_head=2, n_embd=128, bias=bias, gelu=approximate)
+    config = GPTConfig(block_size=64, vocab_size=80, n_layer=1, n_head=n_head, n_embd=n_embd, bias=bias,
+                       gelu=approximate, mlp_ratio=mlp_ratio)
     block = engine.prepare(GPT(config), "cpu", "bfloat16", rows=1).blocks[0]
     assert isinstance(block, engine.KernelBlock)
+    size = n_embd // n_head
     for rows in (1, 3, 4, 9):
-        x = torch.randn(rows, 1, 128).to(torch.bfloat16)
-        caches = [(torch.randn(2, 65, 64).to(torch.bfloat16), torch.randn(2, 65, 64).to(torch.bfloat16),
+        x = torch.randn(rows, 1, n_embd).to(torch.bfloat16)
+        caches = [(torch.randn(n_head, 65, size).to(torch.bfloat16), torch.randn(n_head, 65, size).to(torch.bfloat16),
                    1 + 7 * i) for i in range(rows)]
         twins = [(k.clone(), v.clone(), n) for k, v, n in caches]
         got = block.kernel(x, caches)
