@@ -33,8 +33,9 @@ from machinery.fileio import cache_path
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bf16_rows.c")
 BLOCK = 32  # outputs in a block of oneDNN's packed weight, as bf16_rows.c reads it
-ROWS = 4  # rows a pass may hold at most for the engine to choose this kernel: 0.63-0.76 of oneDNN's AMX time at
-# 1-4 rows, 0.94-1.12 at 8, 1.4-2.1 at 16 and 32 (GPT-2 124M's products; BENCHMARKS.md)
+ROWS = 4  # rows a pass may hold at most for the engine to choose bf16_rows (vdpbf16ps: 0.63-0.76 of oneDNN's AMX
+# time at 1-4 rows, 1.4-2.1 at 16 and 32); passes of more rows get bf16_tiles (AMX: 0.4 of oneDNN's at 16 and 32
+# rows; GPT-2 124M's products; BENCHMARKS.md)
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,14 +58,15 @@ def load():
         library = ctypes.CDLL(path)
     except (OSError, subprocess.SubprocessError):
         return None
-    library.bf16_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int]
+    library.bf16_rows.argtypes = library.bf16_tiles.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + \
+        [ctypes.c_int]
     library.bf16_attend.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 4 + [ctypes.c_float, ctypes.c_int]
+    library.amx = torch.cpu._is_amx_tile_supported() and library.bf16_amx() == 0  # (bf16_tiles needs AMX, lent)
     library.bf16_layer_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_float]
     library.bf16_gelu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_int]
     library.bf16_block.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_long] + \
         [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int]
-    for function in (library.bf16_rows, library.bf16_attend, library.bf16_layer_norm, library.bf16_gelu,
-                     library.bf16_block):
+    for function in (library.bf16_rows, library.bf16_attend, library.bf16_layer_norm, library.bf16_gelu):
         function.restype = None
     return library
 
@@ -94,12 +96,13 @@ def _build(compiler, openmp, path):
 
 
 class Kernel:
-    """The kernel bound to a weight packed by oneDNN in bfloat16 (torch.ops.mkldnn._reorder_linear_weight of
-    weight, out x in, converted), where its packed memory is laid out as bf16_rows.c reads it; else None (new)."""
+    """A product kernel bound to a weight packed by oneDNN in bfloat16 (torch.ops.mkldnn._reorder_linear_weight of
+    weight, out x in, converted), where its packed memory is laid out as bf16_rows.c reads it: bf16_rows, or with
+    tiles bf16_tiles (AMX, where Linux lends it); else None (new)."""
 
-    def __new__(cls, packed, weight):
+    def __new__(cls, packed, weight, tiles=False):
         library = load()
-        if library is None:
+        if library is None or (tiles and not library.amx):
             return None
         out_features, in_features = weight.shape
         blocks = -(-out_features // BLOCK)
@@ -116,7 +119,8 @@ class Kernel:
             if not torch.equal(block[:len(rows), :in_features], rows):
                 return None
         self = super().__new__(cls)
-        self.function, self.packed, self.padded = library.bf16_rows, packed, padded
+        self.function, self.tiles = library.bf16_tiles if tiles else library.bf16_rows, tiles
+        self.packed, self.padded = packed, padded
         self.address, self.out_features, self.in_features = torch.ops.mkldnn.data_ptr(packed), out_features, in_features
         return self
 
@@ -128,9 +132,10 @@ class Kernel:
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
             bias = bias.to(torch.bfloat16).contiguous()  # (held: the kernel reads it)
         y = x.new_empty(x.shape[:-1] + (self.out_features,))
-        self.function(self.address, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                      x.numel() // self.in_features, self.out_features, self.in_features, self.padded,
-                      torch.get_num_threads())
+        if self.function(self.address, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                         x.numel() // self.in_features, self.out_features, self.in_features, self.padded,
+                         torch.get_num_threads()):
+            raise MemoryError("bf16_tiles could not allocate its padded rows")
         return y
 
 
@@ -165,13 +170,10 @@ def attend(q, k, v, keys, values, n):
     return out
 
 
-STACK = 1 << 20  # bytes of a pass's activations that bf16_block may hold on the calling thread's stack, at most
-
-
 class BlockKernel:
     """bf16_rows.c's bf16_block bound to one of model.py's Blocks whose four products are bound Kernels
-    (KernelLinear's), its LayerNorms and biases bfloat16, without qk_norm, heads that attend() takes; else None
-    (new). Called on a decoding pass of a few rows, it is the whole Block in one call (BENCHMARKS.md)."""
+    of one kind (KernelLinear's), its LayerNorms and biases bfloat16, without qk_norm, heads that attend() takes;
+    else None (new). Called on a decoding pass, it is the whole Block in one call (BENCHMARKS.md)."""
 
     def __new__(cls, block):
         attn, ffwd, norms = block.attn, block.ffwd, (block.ln1, block.ln2)
@@ -180,10 +182,11 @@ class BlockKernel:
         C, hidden = attn.qkv.in_features, ffwd.fc.out_features
         tensors = [t for m in norms for t in (m.weight, m.bias)] + [p.bias for p in products]
         tensors = [t for t in tensors if t is not None]
-        if any(k is None for k in kernels) or attn.qk_norm or ffwd.gelu.approximate not in ("none", "tanh") \
+        if any(k is None for k in kernels) or len({k.tiles for k in kernels}) > 1 or attn.qk_norm \
+                or ffwd.gelu.approximate not in ("none", "tanh") \
                 or any(n.normalized_shape != (C,) or n.weight is None or n.eps != norms[0].eps for n in norms) \
                 or any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in tensors) \
-                or not attends(torch.bfloat16, attn.head_size, 1) or (6 * C + hidden) * ROWS * 2 > STACK:
+                or not attends(torch.bfloat16, attn.head_size, 1):
             return None
         self = super().__new__(cls)
         (ln1, ln2), (qkv, proj, fc, mlp_proj) = norms, products
@@ -192,22 +195,19 @@ class BlockKernel:
         pointers = [None if t is None else t.address if isinstance(t, Kernel) else t.data_ptr() for t in bound]
         self.tensors = tensors  # (held: the kernel reads them)
         self.pointers = (ctypes.c_void_p * 12)(*pointers)
-        self.dims = (ctypes.c_long * 9)(C, hidden, attn.n_head, attn.head_size, *(k.padded for k in kernels),
-                                        ffwd.gelu.approximate == "tanh")
+        self.dims = (ctypes.c_long * 10)(C, hidden, attn.n_head, attn.head_size, *(k.padded for k in kernels),
+                                         ffwd.gelu.approximate == "tanh", kernels[0].tiles)
         self.eps, self.function = norms[0].eps, load().bf16_block
         return self
 
     def __call__(self, x, caches):
         """The Block's output for x (rows, 1, C), bfloat16, each row's new key and value stored in its cache:
-        caches [(keys, values, n)], a row's keys and values (heads, length, size), n its positions after this one.
-        (ROWS rows a call: each row is computed alone, so how they are grouped changes nothing.)"""
-        out = x.clone(memory_format=torch.contiguous_format)
-        stride, threads = caches[0][0].stride(0), torch.get_num_threads()
-        for start in range(0, len(caches), ROWS):
-            group = caches[start:start + ROWS]
-            keys = (ctypes.c_void_p * len(group))(*[k.data_ptr() for k, _, _ in group])
-            values = (ctypes.c_void_p * len(group))(*[v.data_ptr() for _, v, _ in group])
-            n = (ctypes.c_long * len(group))(*[n for _, _, n in group])
-            self.function(self.pointers, self.dims, self.eps, out[start].data_ptr(), len(group), keys, values, n,
-                          stride, threads)
+        caches [(keys, values, n)], a row's keys and values (heads, length, size), n its positions after this one."""
+        out, rows = x.clone(memory_format=torch.contiguous_format), len(caches)
+        keys = (ctypes.c_void_p * rows)(*[k.data_ptr() for k, _, _ in caches])
+        values = (ctypes.c_void_p * rows)(*[v.data_ptr() for _, v, _ in caches])
+        n = (ctypes.c_long * rows)(*[n for _, _, n in caches])
+        if self.function(self.pointers, self.dims, self.eps, out.data_ptr(), rows, keys, values, n,
+                         caches[0][0].stride(0), torch.get_num_threads()):
+            raise MemoryError("bf16_block could not allocate its activations")
         return out

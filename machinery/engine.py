@@ -321,14 +321,23 @@ class KernelLinear(PackedLinear):
     a PackedLinear. bfloat16 only; a weight that the kernel cannot read (bf16_rows.Kernel) keeps oneDNN's product
     in every pass."""
 
+    TILES = False  # which of our kernels: bf16_rows (vdpbf16ps), or AMX's tiles (TilesLinear)
+
     def __init__(self, linear, dtype=None):
         super().__init__(linear, dtype)
-        self.kernel = bf16_rows.Kernel(self.packed, linear.weight.detach())
+        self.kernel = bf16_rows.Kernel(self.packed, linear.weight.detach(), tiles=self.TILES)
 
     def forward(self, x):
         if self.kernel is not None and x.dim() == 3 and x.shape[1] == 1 and x.dtype == torch.bfloat16:
             return self.kernel(x, self.bias)
         return super().forward(x)
+
+
+class TilesLinear(KernelLinear):
+    """A KernelLinear whose kernel is AMX's tiles (bf16_tiles: 0.4 of oneDNN's time at 16 and 32 rows, as fast as
+    bf16_rows at one), for engines whose passes may hold more than bf16_rows.ROWS rows."""
+
+    TILES = True
 
 
 class KernelBlock(Block):
@@ -447,14 +456,14 @@ def prepare(model, device, dtype, compile=False, quantize=None, rows=None):
     """The model ready to decode on device in dtype ("float32", "bfloat16", "float16"): in eval mode, its
     weights in dtype, and on the CPU its linear layers RowsLinear, prepacked where that is faster (can_pack),
     which the Engine calibrates (how many rows a pass may hold, whether a lone row is padded). rows: the most rows
-    a decoding pass will hold (the Engine's max_batch), where known: on a CPU with AMX, bfloat16 passes of at most
-    bf16_rows.ROWS rows decode with our own kernel (KernelLinear), fewer rows being its strength (any number is
-    correct). compile: the engine will compile it (Engine(compile=True)), so nothing is prepacked: inductor packs
+    a decoding pass will hold (the Engine's max_batch), where known: on a CPU with AMX, bfloat16 decoding passes
+    run our own kernels, at most bf16_rows.ROWS rows KernelLinear's (vdpbf16ps), more (or not known) TilesLinear's
+    (AMX's tiles; any number is correct with either, each one's speed is its own). compile: the engine will compile it (Engine(compile=True)), so nothing is prepacked: inductor packs
     weights itself (whether a row's result then depends on the others is up to its kernels). quantize="int8":
     int8 weights for the linear layers that take them (machinery/quantize.py), before either."""
     on_cpu, model = torch.device(device).type == "cpu", model.eval()
     packs = on_cpu and can_pack(dtype)
-    packed = KernelLinear if packs and uses_kernel(dtype, rows) else PackedLinear
+    packed = kernel_linear(rows) if packs and uses_kernel(dtype) else PackedLinear
     if packs and not compile and not quantize:
         _pack(model, packed, hardware.DTYPES[dtype])  # before the rest is converted: no unpacked copy of them all
     model = quantization.quantize(model.to(device=device, dtype=hardware.DTYPES[dtype]), quantize)
@@ -464,15 +473,21 @@ def prepare(model, device, dtype, compile=False, quantize=None, rows=None):
         rows_linear = packed if packs else RowsLinear
         for module, name, linear in _linear_layers(model):
             setattr(module, name, rows_linear(linear))
-        if rows_linear is KernelLinear:
+        if issubclass(rows_linear, KernelLinear):
             _fuse(model)
     return model
 
 
-def uses_kernel(dtype, rows):
-    """Do passes of at most rows rows (None: not known) in dtype decode with our own kernel (KernelLinear) here:
-    bfloat16, on a CPU with AMX (where it was measured faster: BENCHMARKS.md), where it can be built?"""
-    return dtype == "bfloat16" and rows is not None and rows <= bf16_rows.ROWS and bf16_rows.chosen()
+def uses_kernel(dtype):
+    """Do decoding passes in dtype run our own kernels (KernelLinear, TilesLinear) here: bfloat16, on a CPU with
+    AMX (where they were measured faster: BENCHMARKS.md), where they can be built?"""
+    return dtype == "bfloat16" and bf16_rows.chosen()
+
+
+def kernel_linear(rows):
+    """Our kernel's layer for passes of at most rows rows (None: not known): KernelLinear up to bf16_rows.ROWS,
+    else TilesLinear (BENCHMARKS.md: each the faster there)."""
+    return KernelLinear if rows is not None and rows <= bf16_rows.ROWS else TilesLinear
 
 
 def _pack(model, packed, dtype):

@@ -16,7 +16,7 @@ from test_engine import Tokens, scored, small_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL = pytest.mark.skipif(bf16_rows.load() is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                             reason="the kernel needs Linux on x86-64 with AVX-512 BF16, gcc, and oneDNN's bfloat16")
-AMX = pytest.mark.skipif(not engine.uses_kernel("bfloat16", 1),
+AMX = pytest.mark.skipif(not engine.uses_kernel("bfloat16"),
                          reason="the engine decodes with the kernel only on a CPU with AMX (and with the kernel)")
 
 
@@ -25,25 +25,32 @@ def packed(weight):
     return torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16).contiguous(), None)
 
 
-def kernel_of(weight):
-    kernel = bf16_rows.Kernel(packed(weight), weight)
+KINDS = pytest.mark.parametrize("tiles", [False, True], ids=["vdpbf16ps", "tiles"])  # bf16_rows, bf16_tiles
+
+
+def kernel_of(weight, tiles=False):
+    if tiles and not bf16_rows.load().amx:
+        pytest.skip("bf16_tiles needs AMX, lent by Linux")
+    kernel = bf16_rows.Kernel(packed(weight), weight, tiles=tiles)
     if kernel is None:
         pytest.skip("oneDNN packs bfloat16 otherwise on this CPU (another block or order): the kernel stays unused")
     return kernel
 
 
 @KERNEL
+@KINDS
 @pytest.mark.parametrize("out_features, in_features", [(96, 64), (100, 40), (65, 48), (7, 2), (300, 768)])
-def test_products_are_exact_where_float32_sums_are(out_features, in_features):
+def test_products_are_exact_where_float32_sums_are(out_features, in_features, tiles):
     """Small integers (|w|, |x|, |bias| <= 8): every product and partial sum is an integer below 2**24, so exact
     in float32 whatever the order; the kernel gives the float64 product rounded to bfloat16 (to nearest even),
-    with and without the bias, for 1 to 9 rows (a group of 4, and the rest), where oneDNN pads the outputs
-    (not a multiple of 32) and the inputs (40, 48, 2: not a multiple of 32)."""
+    with and without the bias, for 1 to 9 rows (a group of 4, and the rest) and 33 (tiles: two groups of 32 rows,
+    the last padded to 16), where oneDNN pads the outputs (not a multiple of 32) and the inputs (40, 48, 2: not a
+    multiple of 32), by either kernel."""
     g = torch.Generator().manual_seed(0)
     w = torch.randint(-8, 9, (out_features, in_features), generator=g).to(torch.bfloat16)
     bias = torch.randint(-8, 9, (out_features,), generator=g).to(torch.bfloat16)
-    kernel = kernel_of(w)
-    for rows in range(1, 10):
+    kernel = kernel_of(w, tiles)
+    for rows in list(range(1, 10)) + [33]:
         x = torch.randint(-8, 9, (rows, in_features), generator=g).to(torch.bfloat16)
         exact = x.double() @ w.double().T
         assert torch.equal(kernel(x, bias), (exact + bias.double()).to(torch.bfloat16))
@@ -51,32 +58,35 @@ def test_products_are_exact_where_float32_sums_are(out_features, in_features):
 
 
 @KERNEL
-def test_a_product_is_within_float32_summing_of_the_exact_one_and_each_row_is_its_result_alone():
+@KINDS
+def test_a_product_is_within_float32_summing_of_the_exact_one_and_each_row_is_its_result_alone(tiles):
     """Random inputs to GPT-2's 3072 -> 768: each output is the exact (float64) product within what rounding
     to bfloat16 (half a unit in its last place) and 3072 float32 additions (3072 * 2**-24 of the sum of the
-    terms' magnitudes) allow; and 7 rows computed together give each row, bit for bit, what it gets alone."""
+    terms' magnitudes) allow; and 7 (or 40) rows computed together give each row, bit for bit, what it gets alone;
+    by either kernel."""
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(768, 3072, generator=g) * 0.02).to(torch.bfloat16)
     bias = torch.randn(768, generator=g).to(torch.bfloat16)
-    x = torch.randn(7, 3072, generator=g).to(torch.bfloat16)
-    kernel = kernel_of(w)
+    x = torch.randn(40 if tiles else 7, 3072, generator=g).to(torch.bfloat16)
+    kernel = kernel_of(w, tiles)
     together = kernel(x, bias)
     exact = x.double() @ w.double().T + bias.double()
     magnitude = x.double().abs() @ w.double().abs().T + bias.double().abs()
     allowed = exact.abs() * 2 ** -8 + magnitude * 3072 * 2 ** -24
     assert ((together.double() - exact).abs() <= allowed).all()
-    for row in range(7):
+    for row in range(len(x)):
         assert torch.equal(kernel(x[row:row + 1], bias), together[row:row + 1])
 
 
 @KERNEL
-def test_a_weight_not_laid_out_as_the_kernel_reads_it_is_refused():
+@KINDS
+def test_a_weight_not_laid_out_as_the_kernel_reads_it_is_refused(tiles):
     """The kernel binds to a packed weight only where the packed memory holds that weight in its order: another
     weight's packing, or a float32 packing, gives None (the layer keeps oneDNN's product)."""
     w = torch.randn(64, 64)
-    assert kernel_of(w) is not None
-    assert bf16_rows.Kernel(packed(w), w.flip(0)) is None
-    assert bf16_rows.Kernel(torch.ops.mkldnn._reorder_linear_weight(w, None), w) is None
+    assert kernel_of(w, tiles) is not None
+    assert bf16_rows.Kernel(packed(w), w.flip(0), tiles=tiles) is None
+    assert bf16_rows.Kernel(torch.ops.mkldnn._reorder_linear_weight(w, None), w, tiles=tiles) is None
 
 
 BUILD = """
@@ -110,16 +120,17 @@ def test_the_kernel_is_built_once_into_the_cache_and_without_gcc_decoding_stays_
 
 
 @AMX
-def test_the_engine_decodes_with_the_kernel_only_where_a_pass_holds_few_rows():
-    """prepare(rows=1) gives every linear layer the kernel (KernelLinear, all bound); rows past
-    bf16_rows.ROWS, or not known, or float32, give oneDNN's PackedLinear, as before."""
+def test_the_engine_decodes_with_vdpbf16ps_for_few_rows_and_amx_tiles_for_more():
+    """prepare(rows=1 to bf16_rows.ROWS) gives every linear layer the vdpbf16ps kernel (KernelLinear, all bound);
+    rows past it, or not known, AMX's tiles (TilesLinear, where Linux lends AMX); float32 oneDNN's PackedLinear."""
     def kinds(dtype, rows):
         model = engine.prepare(small_model(), "cpu", dtype, rows=rows)
         return {(type(m).__name__, getattr(m, "kernel", None) is not None) for m in model.modules()
                 if isinstance(m, engine.RowsLinear)}
 
     assert kinds("bfloat16", 1) == kinds("bfloat16", bf16_rows.ROWS) == {("KernelLinear", True)}
-    assert kinds("bfloat16", bf16_rows.ROWS + 1) == kinds("bfloat16", None) == {("PackedLinear", False)}
+    tiles = {("TilesLinear", bf16_rows.load().amx)}
+    assert kinds("bfloat16", bf16_rows.ROWS + 1) == kinds("bfloat16", None) == kinds("bfloat16", 32) == tiles
     assert kinds("float32", 1) == {("PackedLinear", False)}
 
 
@@ -219,12 +230,16 @@ def test_attention_with_equal_scores_is_the_exact_mean_of_the_values():
 @ATTENDS
 def test_a_bfloat16_engine_keeps_a_bfloat16_cache_and_decoding_rows_attend_with_the_kernel():
     """On the AMX kind a bfloat16 engine's KV cache is bfloat16 (its keys and values are bfloat16 already: none is
-    rounded) and each decoding row attends with the kernel (where the Blocks are PyTorch's: passes of more rows
-    than KernelLinear's), a prompt's chunk with PyTorch's attention (Head); 6
+    rounded) and each decoding row attends with the kernel (where the Blocks are PyTorch's: with qk_norm, which
+    the Block kernel does not take), a prompt's chunk with PyTorch's attention (Head); 6
     seeded requests score alone as together; float32, or an engine that compiles the model, keep float32's cache
     and PyTorch's attention."""
-    model = engine.prepare(small_model(n_embd=128, n_layer=2, vocab_size=300, block_size=64), "cpu", "bfloat16",
-                           rows=6)  # (2 heads of 64; oneDNN's products, the Blocks PyTorch's: each attends)
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(4)
+    config = GPTConfig(block_size=64, vocab_size=300, n_layer=2, n_head=2, n_embd=128, qk_norm=True)
+    model = engine.prepare(GPT(config), "cpu", "bfloat16", rows=6)  # (2 heads of 64)
+    assert {type(b).__name__ for b in model.blocks} == {"Block"}
     runner = engine.Engine(model, Tokens(300), max_batch=6)
     assert runner.slots.k[0].dtype == torch.bfloat16 and runner.slots.attend is bf16_rows.attend
     calls = []
@@ -321,24 +336,29 @@ def block_by_steps(block, x, caches):
 
 @AMX
 @ATTENDS
-@pytest.mark.parametrize("bias, approximate, n_embd, n_head, mlp_ratio",
-                         [(True, "tanh", 128, 2, 4), (False, "none", 128, 2, 4), (True, "none", 80, 5, 3)])
-def test_a_block_kernel_is_the_blocks_steps_in_order_each_row_alone(bias, approximate, n_embd, n_head, mlp_ratio):
-    """1 to 9 rows (groups of 4 and the rest), each after its own number of positions: bf16_block's output and the
-    keys and values it stores are bit for bit those of the Block's steps taken one by one (block_by_steps), with
-    and without biases, either GELU, and widths that are not a multiple of 32 (80: oneDNN pads the outputs; 240)."""
+@pytest.mark.parametrize("bias, approximate, n_embd, n_head, mlp_ratio, rows",
+                         [(True, "tanh", 128, 2, 4, 1), (False, "none", 128, 2, 4, 1), (True, "none", 80, 5, 3, 1),
+                          (True, "tanh", 128, 2, 4, 32), (True, "none", 80, 5, 3, 32)])
+def test_a_block_kernel_is_the_blocks_steps_in_order_each_row_alone(bias, approximate, n_embd, n_head, mlp_ratio,
+                                                                     rows):
+    """1 to 9 rows (groups of 4 and the rest) and 40, each after its own number of positions: bf16_block's output
+    and the keys and values it stores are bit for bit those of the Block's steps taken one by one (block_by_steps),
+    with and without biases, either GELU, widths that are not a multiple of 32 (80: oneDNN pads the outputs;
+    240), and either product kernel (prepare's rows: 1, vdpbf16ps; 32, AMX's tiles)."""
     from model import GPT, GPTConfig
 
     torch.manual_seed(5)
     config = GPTConfig(block_size=64, vocab_size=80, n_layer=1, n_head=n_head, n_embd=n_embd, bias=bias,
                        gelu=approximate, mlp_ratio=mlp_ratio)
-    block = engine.prepare(GPT(config), "cpu", "bfloat16", rows=1).blocks[0]
-    assert isinstance(block, engine.KernelBlock)
+    block = engine.prepare(GPT(config), "cpu", "bfloat16", rows=rows).blocks[0]
+    if rows > bf16_rows.ROWS and not bf16_rows.load().amx:
+        pytest.skip("bf16_tiles needs AMX, lent by Linux")
+    assert isinstance(block, engine.KernelBlock) and block.attn.qkv.kernel.tiles == (rows > bf16_rows.ROWS)
     size = n_embd // n_head
-    for rows in (1, 3, 4, 9):
-        x = torch.randn(rows, 1, n_embd).to(torch.bfloat16)
+    for count in (1, 3, 4, 9, 40):
+        x = torch.randn(count, 1, n_embd).to(torch.bfloat16)
         caches = [(torch.randn(n_head, 65, size).to(torch.bfloat16), torch.randn(n_head, 65, size).to(torch.bfloat16),
-                   1 + 7 * i) for i in range(rows)]
+                   1 + i % 60) for i in range(count)]
         twins = [(k.clone(), v.clone(), n) for k, v, n in caches]
         got = block.kernel(x, caches)
         assert torch.equal(got, block_by_steps(block, x, twins))
@@ -347,21 +367,24 @@ def test_a_block_kernel_is_the_blocks_steps_in_order_each_row_alone(bias, approx
 
 @AMX
 @ATTENDS
-def test_an_engine_of_the_kernels_decodes_every_block_with_one_call_each_row_alone():
-    """prepare(rows=1) makes every Block a KernelBlock (not where a pass may hold more rows than KernelLinear's,
-    in float32, or with qk_norm); in an engine its decoding passes run the kernel (prompts PyTorch's Block) and
-    9 seeded requests (passes of up to 9 rows) score together as each one alone."""
+@pytest.mark.parametrize("rows", [1, 9])
+def test_an_engine_of_the_kernels_decodes_every_block_with_one_call_each_row_alone(rows):
+    """prepare(rows=1 or 9: vdpbf16ps or AMX's tiles) makes every Block a KernelBlock (not in float32, or with
+    qk_norm); in an engine its decoding passes run the kernel (prompts PyTorch's Block) and 9 seeded requests
+    (passes of up to 9 rows) score together as each one alone."""
     def blocks(dtype, rows, **options):
         model = engine.prepare(small_model(n_embd=128, **options), "cpu", dtype, rows=rows)
         return model, {type(b).__name__ for b in model.blocks}
 
     from model import GPT, GPTConfig
 
-    assert blocks("bfloat16", bf16_rows.ROWS + 1)[1] == blocks("float32", 1)[1] == {"Block"}
+    assert blocks("float32", 1)[1] == {"Block"}
     qk = engine.prepare(GPT(GPTConfig(block_size=32, vocab_size=70, n_layer=1, n_head=2, n_embd=128, qk_norm=True)),
                         "cpu", "bfloat16", rows=1)
     assert {type(b).__name__ for b in qk.blocks} == {"Block"}
-    model, kinds = blocks("bfloat16", 1, vocab_size=300, block_size=64)
+    model, kinds = blocks("bfloat16", rows, vocab_size=300, block_size=64)
+    if rows > bf16_rows.ROWS and not bf16_rows.load().amx:
+        pytest.skip("bf16_tiles needs AMX, lent by Linux")
     assert kinds == {"KernelBlock"}
     calls = []
     for block in model.blocks:

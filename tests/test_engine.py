@@ -560,6 +560,7 @@ def test_linear_layers_are_packed_in_float32_and_in_bfloat16_only_where_the_cpu_
             self.bias = linear.bias  # (its weight packed: not a parameter any more)
 
     monkeypatch.setattr(engine, "PackedLinear", Packed)
+    monkeypatch.setattr(engine, "uses_kernel", lambda dtype: False)  # (our kernels' layers: test_bf16_rows)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # oneDNN could pack it
     model = engine.prepare(small_model(), "cpu", dtype)
     packs = dtype == "float32" or cpu_bf16 == torch.bfloat16
