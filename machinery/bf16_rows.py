@@ -1,20 +1,21 @@
-"""Decoding's matrix products on a CPU with AMX, by a small kernel of our own (bf16_rows.c): a few rows of
-bfloat16 inputs times a weight that oneDNN has packed, read in place; and, with it, one row's attention
-(attend) and a decoding pass's whole Block (BlockKernel).
+"""Decoding's matrix products on a CPU with AMX, by small kernels of our own (bf16_rows.c): rows of bfloat16
+inputs times a weight that oneDNN has packed, read in place; and, with them, one row's attention (attend) and a
+decoding pass's whole Block (BlockKernel).
 
 Why: decoding reads every weight once a token, so its speed is the memory's. oneDNN's AMX kernel does not
-reach it at a few rows: GPT-2 124M's 49 products of one row take it 20-24 ms on BENCHMARKS.md's machine C, and
-this kernel 13-15 (AVX-512 BF16's vdpbf16ps, the weights read once, in the order they lie in memory). From about
-8 rows on, AMX's tiles win (the kernel then waits on its arithmetic), so the engine runs it only where a pass
-holds at most ROWS rows (engine.prepare's rows), and prompts' chunks stay oneDNN's.
+reach it: GPT-2 124M's 49 products take it 20-27 ms at 1-4 rows on BENCHMARKS.md's machine C, 34 at 16 and 68
+at 32, and ours 13-14 at 1-16 rows, 24 at 32 (the weights read once, in the order they lie in memory, for all
+the rows at once). Two kernels: bf16_rows (AVX-512 BF16's vdpbf16ps) for passes of at most ROWS rows (sample.py's
+few samples), bf16_tiles (AMX's tiles) for more (serve.py); they round otherwise now and then, so an engine takes
+one (engine.prepare's rows). Prompts' chunks stay oneDNN's.
 
 How: bf16_rows.c is compiled on first use by the system's gcc, against the OpenMP runtime that PyTorch has
 loaded (the kernel's threads are then PyTorch's own, not a second pool fighting it for the cores), into
 $XDG_CACHE_HOME (or ~/.cache) /nanogpt/bf16_rows-<hash>.so, named by the source, the compiler and the runtime;
 a later start only loads it. The weight stays where oneDNN packed it (no second copy): Kernel checks that a
 packed weight is laid out as the kernel reads it, and one that is not (another oneDNN, another CPU) keeps
-oneDNN's product. Where the kernel cannot be built or run (no gcc, not Linux on x86-64, no AVX-512 BF16), load()
-is None and decoding is oneDNN's, as before."""
+oneDNN's product. Where the kernels cannot be built or run (no gcc, not Linux on x86-64, no AVX-512 BF16), load()
+is None and decoding is oneDNN's, as before; bf16_tiles also needs AMX, lent to the process by Linux."""
 
 import ctypes
 import functools

@@ -12,10 +12,9 @@ sampled, with the text they complete.
 A request's tokens do not depend on what else runs, because every row is computed as if it were alone: its
 prompt is encoded alone, in chunks of a fixed size; its sampling draws from its own generator; and a step
 either (on the CPU) attends row by row over exactly each row's positions with oneDNN's prepacked matrix
-products (PackedLinear), whose result for one row does not depend on the number of rows (on a CPU with AMX, in
-an engine of a few rows, decoding's products by our own kernel, each row summed alone: KernelLinear), or (on
-CUDA: fixed)
-runs every row of the cache in shapes that never change, as one CUDA graph (machinery/decode.py).
+products (PackedLinear), whose result for one row does not depend on the number of rows (on a CPU with AMX,
+decoding's products by one of our own kernels, each row summed alone: KernelLinear, TilesLinear), or (on CUDA:
+fixed) runs every row of the cache in shapes that never change, as one CUDA graph (machinery/decode.py).
 
 With a prefix cache (prefix_cache_mb; machinery/prefix_cache.py), a prompt's whole chunks are kept, and a
 request that begins with them (the next turn of a conversation, a shared system prompt, the other choices of
@@ -33,7 +32,7 @@ exception outside any request stops the engine (alive is then False: serve.py's 
 Decoding runs at the speed of memory (BENCHMARKS.md): the model is converted to the run's dtype instead of
 autocast re-casting its weights at every step; on the CPU the linear layers are prepacked for oneDNN (and
 moved into huge pages once a run is long enough to gain the move back: HUGE_PAGES_AFTER, machinery/hugepages.py;
-where the CPU has AMX, decoding a few rows reads them with our own kernel: KernelLinear), and the KV cache
+where the CPU has AMX, decoding reads them with our own kernels: KernelLinear, TilesLinear), and the KV cache
 stays in float32, where attention runs (where the CPU has AMX, a bfloat16 model's cache is bfloat16, half the
 bytes, and a decoding row attends by our own kernel: decode.cache_dtype; with both, a decoding pass runs each
 Block as one call of ours, without PyTorch's operations between the products: KernelBlock). Past block_size a

@@ -14,13 +14,13 @@ warning.
 
 The CPU kinds this knows (cpu_kind), and what is chosen on each (measured: BENCHMARKS.md):
 
-    AMX            bfloat16; oneDNN's AMX kernels at every number of rows, a lone row's too
-                   (ONEDNN_VERBOSE=1 names brg_matmul:avx10_1_512_amx), which block, and so round,
-                   otherwise beyond some number of rows (engine.calibrate); a lone row unpadded; but
-                   where a decoding pass holds at most 4 rows (sample.py with one to four samples), its
-                   products our own AVX-512 BF16 kernel's (machinery/bf16_rows.py), over AMX's packing;
-                   a decoding row's attention our own kernel's too, over a bfloat16 KV cache; and
-                   with both, a decoding pass's whole Block one call of ours (LayerNorms, GELU too)
+    AMX            bfloat16; oneDNN's AMX kernels for prompts, at every number of rows (ONEDNN_VERBOSE=1
+                   names brg_matmul:avx10_1_512_amx), which block, and so round, otherwise beyond some
+                   number of rows (engine.calibrate); decoding passes our own kernels over AMX's
+                   packing (machinery/bf16_rows.py): AVX-512 BF16's where a pass holds at most 4 rows
+                   (sample.py with one to four samples), AMX's tiles where more (serve.py); a decoding
+                   row's attention our own kernel's too, over a bfloat16 KV cache; and with both, a
+                   decoding pass's whole Block one call of ours (LayerNorms, GELU too)
     AVX-512 BF16   bfloat16; oneDNN's AVX-512 BF16 kernels
     AVX-512        float32 (bfloat16 only converted there, not computed)
     AVX2           float32 (bfloat16 emulated, ~50x slower; --dtype=float16 for one fast stream)
@@ -90,7 +90,7 @@ def cpu_native(dtype):
 
 
 CPU_KINDS = {  # what dtype=auto and the engine choose on each kind of CPU (the module's docstring says why)
-    "AMX": "bfloat16: oneDNN's AMX kernels, decoding 1-4 rows our own kernel, attention ours, a Block one call "
+    "AMX": "bfloat16: oneDNN's AMX kernels for prompts; decoding our own kernels, attention ours, a Block one call "
            "(where gcc builds them)",
     "AVX-512 BF16": "bfloat16: AVX-512 BF16",
     "AVX-512": "float32: bfloat16 is only converted",
