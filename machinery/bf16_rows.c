@@ -127,13 +127,15 @@ AMX void store_rows(const float *sums, const uint16_t *bias, uint16_t *y, long r
     __m512 bhi = bias ? widen(bias + n0 + 16, mhi) : _mm512_setzero_ps();
     for (long m = 0; m < rows; m++) {
         uint16_t *out = y + m * N + n0;
-        _mm256_mask_storeu_epi16(out, mlo, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums + m * 32), blo)));
-        _mm256_mask_storeu_epi16(out + 16, mhi,
-                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums + m * 32 + 16), bhi)));
+        __m512 lo = _mm512_add_ps(_mm512_loadu_ps(sums + m * 32), blo);
+        __m512 hi = _mm512_add_ps(_mm512_loadu_ps(sums + m * 32 + 16), bhi);
+        _mm256_mask_storeu_epi16(out, mlo, (__m256i)_mm512_cvtneps_pbh(lo));
+        _mm256_mask_storeu_epi16(out + 16, mhi, (__m256i)_mm512_cvtneps_pbh(hi));
     }
 }
 
-/* tile_block: block b of the weights times rows (Mp x Kp, Mp a multiple of 16), 32 rows at a time, into y's first M rows */
+/* tile_block: block b of the weights times rows (Mp x Kp, Mp a multiple of 16), 32 rows at a time, into y's
+ * first M rows */
 AMX void tile_block(const char *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,
                long M, long Mp, long N, long Kp, long b) {
     float sums[32 * 32];
@@ -334,8 +336,9 @@ TILES static int product(int tiles, const uint16_t *w, const uint16_t *x, const 
  * k[m], v[m] (heads x stride), its new ones stored at position n[m] - 1. w: the block's tensors, in order LayerNorm
  * 1's weight and bias, the q/k/v product's packed weight and bias, W_O's, LayerNorm 2's, the MLP's two products'
  * (a bias may be NULL); d: C, the MLP's width, heads, head size, each packed weight's padded inputs (4), GELU's
- * kind (1: tanh), the products' kernel (1: bf16_tiles, else bf16_rows). The rows' attention heads are shared out among the threads, as each product's blocks. -1 where
- * memory ran out (x then not the Block's output), else 0. */
+ * kind (1: tanh), the products' kernel (1: bf16_tiles, else bf16_rows). The rows' attention heads are shared
+ * out among the threads, as each product's blocks. -1 where memory ran out (x then not the Block's output),
+ * else 0. */
 TILES int bf16_block(const void *const *w, const long *d, float eps, uint16_t *x, long M, uint16_t *const *k,
                      uint16_t *const *v, const long *n, long stride, int threads) {
     long C = d[0], H = d[1], heads = d[2], size = d[3];

@@ -457,9 +457,10 @@ def prepare(model, device, dtype, compile=False, quantize=None, rows=None):
     which the Engine calibrates (how many rows a pass may hold, whether a lone row is padded). rows: the most rows
     a decoding pass will hold (the Engine's max_batch), where known: on a CPU with AMX, bfloat16 decoding passes
     run our own kernels, at most bf16_rows.ROWS rows KernelLinear's (vdpbf16ps), more (or not known) TilesLinear's
-    (AMX's tiles; any number is correct with either, each one's speed is its own). compile: the engine will compile it (Engine(compile=True)), so nothing is prepacked: inductor packs
-    weights itself (whether a row's result then depends on the others is up to its kernels). quantize="int8":
-    int8 weights for the linear layers that take them (machinery/quantize.py), before either."""
+    (AMX's tiles; any number is correct with either, each one's speed is its own). compile: the engine will
+    compile it (Engine(compile=True)), so nothing is prepacked: inductor packs weights itself (whether a row's
+    result then depends on the others is up to its kernels). quantize="int8": int8 weights for the linear layers
+    that take them (machinery/quantize.py), before either."""
     on_cpu, model = torch.device(device).type == "cpu", model.eval()
     packs = on_cpu and can_pack(dtype)
     packed = kernel_linear(rows) if packs and uses_kernel(dtype) else PackedLinear
