@@ -111,8 +111,7 @@ def main(argv=None):
     if cfg.stop is not None:
         encode(tokenizer, cfg.stop, "--stop")  # text the model cannot produce would never stop a sample
     rows = 1 if cfg.chat else cfg.num_samples  # (decoded together: the engine's rows)
-    model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize,
-                           rows=rows)
+    model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
     print(describe(loaded.device, loaded.dtype), file=sys.stderr)  # (stdout is the samples' alone)
     runner = engine.Engine(model, tokenizer, loaded.device, max_batch=rows,
                            use_cache=cfg.use_cache, compile=cfg.compile, prefix_cache_mb=cfg.prefix_cache_mb,

@@ -82,8 +82,7 @@ class ServeConfig(loading.RunSource):
 def build(cfg):
     """The model loaded, its engine (not started) and the API's shared state."""
     loaded = loading.load_run(cfg)
-    model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize,
-                           rows=cfg.max_batch)
+    model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
     runner = engine.Engine(model, loaded.tokenizer, loaded.device, cfg.max_batch, cfg.max_waiting,
                            prefill_chunk=cfg.prefill_chunk, stall_timeout=cfg.stream_timeout, compile=cfg.compile,
                            prefix_cache_mb=cfg.prefix_cache_mb, calibration=CalibrationCache())

@@ -154,7 +154,7 @@ def greedy_engine(hf_dir, device, dtype, quantize=None, compile=False):
     --compile), with one row of KV cache as sample.py makes for one sample (a fixed step, CUDA's, computes every
     row of the cache); (the engine, the tokenizer)."""
     loaded = loading.load(loading.ModelSource(init_from=hf_dir), device, dtype)
-    runner = engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype, compile, quantize, rows=1),
+    runner = engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype, compile, quantize),
                            loaded.tokenizer, loaded.device, max_batch=1, compile=compile)
     return runner, loaded.tokenizer
 

@@ -1,29 +1,24 @@
 /*
  * Decoding's kernels of our own, in bfloat16 (machinery/bf16_rows.py builds this file and says when each is
- * used, and why): rows times a weight that oneDNN has packed, two ways (bf16_rows for a few rows, bf16_tiles
- * for more), one row's attention over its keys and values (bf16_attend), and a whole Block of some rows, one new
- * position each (bf16_block).
+ * used, and why): rows times a weight that oneDNN has packed (bf16_rows), one row's attention over its keys and
+ * values (bf16_attend), and a whole Block of some rows, one new position each (bf16_block).
+ *
+ * bf16_rows: rows of bfloat16 inputs times a bfloat16 weight that oneDNN has packed for its AMX kernels, by
+ * AMX's tiles.
  *
  * oneDNN's packed weight, N outputs by K inputs, is in blocks of 32 outputs, each block K/2 pairs of inputs
  * long, each pair 32 outputs x 2 inputs (128 bytes): w[block][pair][output][2], the block's K padded to Kp
  * with zeros and the outputs to a multiple of 32 (bf16_rows.py checks that a packed weight is laid out so
- * before this reads it). Both product kernels read a block's weights once, in the order they lie in memory, for
- * all the rows at once (up to 4, or 32): decoding's speed is the memory's.
- *
- * bf16_rows: one AVX-512 BF16 instruction (vdpbf16ps) multiplies a pair of inputs by 16 outputs' pair of weights
- * and adds both products to 16 float32 sums.
- *
- * bf16_tiles: AMX. The packed block is the layout of AMX's second operand: 16 pairs of its first 16 outputs are
- * one tile (16 rows of 64 bytes, 128 bytes apart), its other 16 outputs the next; one tdpbf16ps multiplies 16
+ * before this reads it). That is the layout of AMX's second operand: 16 pairs of a block's first 16 outputs are
+ * one tile (16 rows of 64 bytes, 128 bytes apart), its other 16 outputs the next. One tdpbf16ps multiplies 16
  * rows of 32 inputs (the rows copied, padded with zeros to a multiple of 16 rows and Kp inputs) by such a tile
- * and adds the products to 16 x 16 float32 sums. (AMX reads bfloat16 subnormals as 0 and flushes float32 ones:
- * far below any weight's or input's size.)
+ * and adds the products to 16 x 16 float32 sums: a block's weights are read once, in the order they lie in
+ * memory, for up to 32 rows at a time, which is what decoding's speed depends on. (AMX reads bfloat16 subnormals
+ * as 0 and flushes float32 ones: far below any weight's or input's size.)
  *
- * Each kernel sums every row alone and in the same order (input pair after input pair; 32 inputs at a time,
- * each row of a tile computed alone by the instruction), whatever the other rows: a row's result does not
- * depend on how many rows are computed together. The two kernels' orders differ (about 1 output in 7,000 rounds
- * otherwise), so an engine decodes with one of them only. Then the bias is added and the sum rounded to
- * bfloat16 (to nearest even), as oneDNN rounds its output.
+ * Every row is summed alone and in the same order, 32 inputs at a time (the instruction computes each row of a
+ * tile alone), whatever the other rows: a row's result does not depend on how many rows are computed together.
+ * Then the bias is added and the sum rounded to bfloat16 (to nearest even), as oneDNN rounds its output.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -37,66 +32,11 @@
 #define KERNEL TARGET static inline
 #define TILES __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 #define AMX TILES static inline
-#define GROUP 4        /* rows computed together: each reads a block's weights once for all of them */
-#define PREFETCH 128   /* 64-byte lines ahead (8 KB) that a pass over a block asks the L2 cache for, both lines of
-                          each pair: 0.76-0.83 of the time without, where the L1 (T0) or one line of two was asked for */
+#define PREFETCH 8192  /* bytes ahead in a block's weights that a pass over it asks the L2 cache for (measured for
+                          AVX-512's kernel before this one: 0.76-0.83 of the time without) */
 
 KERNEL __m512 widen(const uint16_t *b, __mmask16 mask) {  /* 16 bfloat16 as float32 (masked off: 0) */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, b)), 16));
-}
-
-/* R rows (pairs of inputs xp[r]) against one block (w): its 32 outputs' sums in lo[r] (first 16), hi[r] */
-#define ROWS(R) \
-KERNEL void rows##R(const __m512i *w, const uint32_t **xp, long pairs, __m512 *lo, __m512 *hi) { \
-    __m512 l[R], h[R]; \
-    for (int r = 0; r < R; r++) l[r] = h[r] = _mm512_setzero_ps(); \
-    for (long j = 0; j < pairs; j++) { \
-        _mm_prefetch((const char *)(w + 2 * j + PREFETCH), _MM_HINT_T1); \
-        _mm_prefetch((const char *)(w + 2 * j + 1 + PREFETCH), _MM_HINT_T1); \
-        __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + 2 * j), w1 = (__m512bh)_mm512_loadu_si512(w + 2 * j + 1); \
-        for (int r = 0; r < R; r++) { \
-            __m512bh x = (__m512bh)_mm512_set1_epi32(xp[r][j]); \
-            l[r] = _mm512_dpbf16_ps(l[r], w0, x); \
-            h[r] = _mm512_dpbf16_ps(h[r], w1, x); \
-        } \
-    } \
-    for (int r = 0; r < R; r++) { lo[r] = l[r]; hi[r] = h[r]; } \
-}
-ROWS(1) ROWS(2) ROWS(3) ROWS(4)
-
-KERNEL void block(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,
-                  long M, long N, long K, long Kp, long b) {
-    const __m512i *wb = (const __m512i *)(w + b * 32 * Kp);
-    long n0 = b * 32, left = N - n0;  /* the last block's outputs past N are padding: not stored */
-    __mmask16 mlo = left >= 16 ? 0xffff : (1u << left) - 1;
-    __mmask16 mhi = left >= 32 ? 0xffff : left <= 16 ? 0 : (1u << (left - 16)) - 1;
-    __m512 blo = bias ? widen(bias + n0, mlo) : _mm512_setzero_ps();
-    __m512 bhi = bias ? widen(bias + n0 + 16, mhi) : _mm512_setzero_ps();
-    for (long m = 0; m < M; m += GROUP) {
-        long R = M - m < GROUP ? M - m : GROUP;
-        const uint32_t *xp[GROUP];
-        __m512 lo[GROUP], hi[GROUP];
-        for (long r = 0; r < R; r++) xp[r] = (const uint32_t *)(x + (m + r) * K);
-        if (R == 4) rows4(wb, xp, K / 2, lo, hi);
-        else if (R == 3) rows3(wb, xp, K / 2, lo, hi);
-        else if (R == 2) rows2(wb, xp, K / 2, lo, hi);
-        else rows1(wb, xp, K / 2, lo, hi);
-        for (long r = 0; r < R; r++) {
-            uint16_t *out = y + (m + r) * N + n0;
-            _mm256_mask_storeu_epi16(out, mlo, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(lo[r], blo)));
-            _mm256_mask_storeu_epi16(out + 16, mhi, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(hi[r], bhi)));
-        }
-    }
-}
-
-/* y (M x N, bfloat16) = x (M x K, bfloat16, K even) times w (packed, as above) + bias (N, or NULL), by
- * vdpbf16ps, the blocks shared out among `threads` threads of the OpenMP runtime that PyTorch runs (bf16_rows.py
- * links it) */
-void bf16_rows(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,
-               long M, long N, long K, long Kp, int threads) {
-    long blocks = (N + 31) / 32;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long b = 0; b < blocks; b++) block(w, x, bias, y, M, N, K, Kp, b);
 }
 
 /* Linux lends a process AMX's tile registers once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA): 0 if so. */
@@ -146,7 +86,7 @@ AMX void tile_block(const char *w, const uint16_t *x, const uint16_t *bias, uint
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         for (long k = 0; k < Kp; k += 32) {
             const char *p = w + k * 64;  /* 16 pairs of 128 bytes */
-            for (int line = 0; line < 2048; line += 64) _mm_prefetch(p + PREFETCH * 64 + line, _MM_HINT_T1);
+            for (int line = 0; line < 2048; line += 64) _mm_prefetch(p + PREFETCH + line, _MM_HINT_T1);
             _tile_loadd(6, p, 128);
             _tile_loadd(7, p + 64, 128);
             _tile_loadd(4, rows + k, Kp * 2);
@@ -166,9 +106,11 @@ AMX void tile_block(const char *w, const uint16_t *x, const uint16_t *bias, uint
     }
 }
 
-/* bf16_rows's product by AMX's tiles: the rows copied first, padded with zeros to a multiple of 16 rows and Kp
- * inputs; each thread's tiles configured for it. Needs AMX, lent (bf16_amx); -1 where memory ran out, else 0. */
-TILES int bf16_tiles(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,
+/* y (M x N, bfloat16) = x (M x K, bfloat16, K even) times w (packed, as above) + bias (N, or NULL), the blocks
+ * shared out among `threads` threads of the OpenMP runtime that PyTorch runs (bf16_rows.py links it); the rows
+ * copied first, padded with zeros to a multiple of 16 rows and Kp inputs; each thread's tiles configured for it.
+ * Needs AMX, lent (bf16_amx); -1 where memory ran out, else 0. */
+TILES int bf16_rows(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,
                     long M, long N, long K, long Kp, int threads) {
     long blocks = (N + 31) / 32, Mp = (M + 15) / 16 * 16;
     uint16_t *rows = calloc(Mp * Kp, sizeof *rows);
@@ -323,22 +265,12 @@ KERNEL void add_to(uint16_t *x, const uint16_t *a, long n) {  /* x += a, rounded
     LANES(n) store(x + c, _mm512_add_ps(widen(x + c, MASK(n)), widen(a + c, MASK(n))), MASK(n));
 }
 
-/* a product by either kernel (tiles: bf16_tiles), as bf16_tiles answers */
-TILES static int product(int tiles, const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y,
-                         long M, long N, long K, long Kp, int threads) {
-    if (tiles)
-        return bf16_tiles(w, x, bias, y, M, N, K, Kp, threads);
-    bf16_rows(w, x, bias, y, M, N, K, Kp, threads);
-    return 0;
-}
-
 /* One Block for M rows x (M x C, bfloat16, updated in place), one new position each: row m's keys and values
  * k[m], v[m] (heads x stride), its new ones stored at position n[m] - 1. w: the block's tensors, in order LayerNorm
  * 1's weight and bias, the q/k/v product's packed weight and bias, W_O's, LayerNorm 2's, the MLP's two products'
  * (a bias may be NULL); d: C, the MLP's width, heads, head size, each packed weight's padded inputs (4), GELU's
- * kind (1: tanh), the products' kernel (1: bf16_tiles, else bf16_rows). The rows' attention heads are shared
- * out among the threads, as each product's blocks. -1 where memory ran out (x then not the Block's output),
- * else 0. */
+ * kind (1: tanh). The rows' attention heads are shared out among the threads, as each product's blocks. -1
+ * where memory ran out (x then not the Block's output), else 0. */
 TILES int bf16_block(const void *const *w, const long *d, float eps, uint16_t *x, long M, uint16_t *const *k,
                      uint16_t *const *v, const long *n, long stride, int threads) {
     long C = d[0], H = d[1], heads = d[2], size = d[3];
@@ -349,7 +281,7 @@ TILES int bf16_block(const void *const *w, const long *d, float eps, uint16_t *x
     float scale = 1.0f / sqrtf((float)size);
     int failed = 0;
     bf16_layer_norm(x, w[0], w[1], h, M, C, eps);
-    failed |= product(d[9], w[2], h, w[3], qkv, M, 3 * C, C, d[4], threads);
+    failed |= bf16_rows(w[2], h, w[3], qkv, M, 3 * C, C, d[4], threads);
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long i = 0; i < M * heads; i++) {
         long m = i / heads, j = i % heads;
@@ -357,12 +289,12 @@ TILES int bf16_block(const void *const *w, const long *d, float eps, uint16_t *x
         store_and_attend(row, row + C, row + 2 * C, k[m] + j * stride, v[m] + j * stride, y + m * C + j * size,
                          n[m], size, scale);
     }
-    failed |= product(d[9], w[4], y, w[5], a, M, C, C, d[5], threads);
+    failed |= bf16_rows(w[4], y, w[5], a, M, C, C, d[5], threads);
     add_to(x, a, M * C);
     bf16_layer_norm(x, w[6], w[7], h, M, C, eps);
-    failed |= product(d[9], w[8], h, w[9], f, M, H, C, d[6], threads);
+    failed |= bf16_rows(w[8], h, w[9], f, M, H, C, d[6], threads);
     bf16_gelu(f, f, M * H, d[8]);
-    failed |= product(d[9], w[10], f, w[11], a, M, C, H, d[7], threads);
+    failed |= bf16_rows(w[10], f, w[11], a, M, C, H, d[7], threads);
     add_to(x, a, M * C);
     free(h);
     return failed;

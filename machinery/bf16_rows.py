@@ -1,13 +1,11 @@
-"""Decoding's matrix products on a CPU with AMX, by small kernels of our own (bf16_rows.c): rows of bfloat16
-inputs times a weight that oneDNN has packed, read in place; and, with them, one row's attention (attend) and a
-decoding pass's whole Block (BlockKernel).
+"""Decoding's matrix products on a CPU with AMX, by a small kernel of our own (bf16_rows.c): rows of bfloat16
+inputs times a weight that oneDNN has packed, read in place by AMX's tiles; and, with it, one row's attention
+(attend) and a decoding pass's whole Block (BlockKernel).
 
 Why: decoding reads every weight once a token, so its speed is the memory's. oneDNN's AMX kernel does not
-reach it: GPT-2 124M's 49 products take it 20-27 ms at 1-4 rows on BENCHMARKS.md's machine C, 34 at 16 and 68
-at 32, and ours 13-14 at 1-16 rows, 24 at 32 (the weights read once, in the order they lie in memory, for all
-the rows at once). Two kernels: bf16_rows (AVX-512 BF16's vdpbf16ps) for passes of at most ROWS rows (sample.py's
-few samples), bf16_tiles (AMX's tiles) for more (serve.py); they round otherwise now and then, so an engine takes
-one (engine.prepare's rows). Prompts' chunks stay oneDNN's.
+reach it: GPT-2 124M's 49 products take it 27-31 ms at 1-4 rows on BENCHMARKS.md's machine C, 38 at 16 and 60
+at 32, and this kernel 15-16 at 1-16 rows, 26 at 32 (the weights read once, in the order they lie in memory,
+for up to 32 rows at once). Prompts' chunks stay oneDNN's.
 
 How: bf16_rows.c is compiled on first use by the system's gcc, against the OpenMP runtime that PyTorch has
 loaded (the kernel's threads are then PyTorch's own, not a second pool fighting it for the cores), into
@@ -15,7 +13,7 @@ $XDG_CACHE_HOME (or ~/.cache) /nanogpt/bf16_rows-<hash>.so, named by the source,
 a later start only loads it. The weight stays where oneDNN packed it (no second copy): Kernel checks that a
 packed weight is laid out as the kernel reads it, and one that is not (another oneDNN, another CPU) keeps
 oneDNN's product. Where the kernels cannot be built or run (no gcc, not Linux on x86-64, no AVX-512 BF16), load()
-is None and decoding is oneDNN's, as before; bf16_tiles also needs AMX, lent to the process by Linux."""
+is None and decoding is oneDNN's, as before; so is it where Linux does not lend the process AMX."""
 
 import ctypes
 import functools
@@ -34,9 +32,6 @@ from machinery.fileio import cache_path
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bf16_rows.c")
 BLOCK = 32  # outputs in a block of oneDNN's packed weight, as bf16_rows.c reads it
-ROWS = 4  # rows a pass may hold at most for the engine to choose bf16_rows (vdpbf16ps: 0.63-0.76 of oneDNN's AMX
-# time at 1-4 rows, 1.4-2.1 at 16 and 32); passes of more rows get bf16_tiles (AMX: 0.4 of oneDNN's at 16 and 32
-# rows; GPT-2 124M's products; BENCHMARKS.md)
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,15 +54,14 @@ def load():
         library = ctypes.CDLL(path)
     except (OSError, subprocess.SubprocessError):
         return None
-    library.bf16_rows.argtypes = library.bf16_tiles.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + \
-        [ctypes.c_int]
+    library.bf16_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int]
     library.bf16_attend.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 4 + [ctypes.c_float, ctypes.c_int]
-    library.amx = torch.cpu._is_amx_tile_supported() and library.bf16_amx() == 0  # (bf16_tiles needs AMX, lent)
+    library.amx = torch.cpu._is_amx_tile_supported() and library.bf16_amx() == 0  # (bf16_rows needs AMX, lent)
     library.bf16_layer_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_float]
     library.bf16_gelu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_int]
     library.bf16_block.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_long] + \
         [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int]
-    for function in (library.bf16_rows, library.bf16_attend, library.bf16_layer_norm, library.bf16_gelu):
+    for function in (library.bf16_attend, library.bf16_layer_norm, library.bf16_gelu):
         function.restype = None
     return library
 
@@ -97,13 +91,13 @@ def _build(compiler, openmp, path):
 
 
 class Kernel:
-    """A product kernel bound to a weight packed by oneDNN in bfloat16 (torch.ops.mkldnn._reorder_linear_weight of
-    weight, out x in, converted), where its packed memory is laid out as bf16_rows.c reads it: bf16_rows, or with
-    tiles bf16_tiles (AMX, where Linux lends it); else None (new)."""
+    """The kernel bound to a weight packed by oneDNN in bfloat16 (torch.ops.mkldnn._reorder_linear_weight of
+    weight, out x in, converted), where its packed memory is laid out as bf16_rows.c reads it and Linux lends
+    the process AMX; else None (new)."""
 
-    def __new__(cls, packed, weight, tiles=False):
+    def __new__(cls, packed, weight):
         library = load()
-        if library is None or (tiles and not library.amx):
+        if library is None or not library.amx:
             return None
         out_features, in_features = weight.shape
         blocks = -(-out_features // BLOCK)
@@ -120,8 +114,7 @@ class Kernel:
             if not torch.equal(block[:len(rows), :in_features], rows):
                 return None
         self = super().__new__(cls)
-        self.function, self.tiles = library.bf16_tiles if tiles else library.bf16_rows, tiles
-        self.packed, self.padded = packed, padded
+        self.function, self.packed, self.padded = library.bf16_rows, packed, padded
         self.address, self.out_features, self.in_features = torch.ops.mkldnn.data_ptr(packed), out_features, in_features
         return self
 
@@ -136,7 +129,7 @@ class Kernel:
         if self.function(self.address, x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
                          x.numel() // self.in_features, self.out_features, self.in_features, self.padded,
                          torch.get_num_threads()):
-            raise MemoryError("bf16_tiles could not allocate its padded rows")
+            raise MemoryError("bf16_rows could not allocate its padded rows")
         return y
 
 
@@ -173,8 +166,8 @@ def attend(q, k, v, keys, values, n):
 
 class BlockKernel:
     """bf16_rows.c's bf16_block bound to one of model.py's Blocks whose four products are bound Kernels
-    of one kind (KernelLinear's), its LayerNorms and biases bfloat16, without qk_norm, heads that attend() takes;
-    else None (new). Called on a decoding pass, it is the whole Block in one call (BENCHMARKS.md)."""
+    (KernelLinear's), its LayerNorms and biases bfloat16, without qk_norm, heads that attend() takes; else None
+    (new). Called on a decoding pass, it is the whole Block in one call (BENCHMARKS.md)."""
 
     def __new__(cls, block):
         attn, ffwd, norms = block.attn, block.ffwd, (block.ln1, block.ln2)
@@ -183,8 +176,7 @@ class BlockKernel:
         C, hidden = attn.qkv.in_features, ffwd.fc.out_features
         tensors = [t for m in norms for t in (m.weight, m.bias)] + [p.bias for p in products]
         tensors = [t for t in tensors if t is not None]
-        if any(k is None for k in kernels) or len({k.tiles for k in kernels}) > 1 or attn.qk_norm \
-                or ffwd.gelu.approximate not in ("none", "tanh") \
+        if any(k is None for k in kernels) or attn.qk_norm or ffwd.gelu.approximate not in ("none", "tanh") \
                 or any(n.normalized_shape != (C,) or n.weight is None or n.eps != norms[0].eps for n in norms) \
                 or any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in tensors) \
                 or not attends(torch.bfloat16, attn.head_size, 1):
@@ -196,8 +188,8 @@ class BlockKernel:
         pointers = [None if t is None else t.address if isinstance(t, Kernel) else t.data_ptr() for t in bound]
         self.tensors = tensors  # (held: the kernel reads them)
         self.pointers = (ctypes.c_void_p * 12)(*pointers)
-        self.dims = (ctypes.c_long * 10)(C, hidden, attn.n_head, attn.head_size, *(k.padded for k in kernels),
-                                         ffwd.gelu.approximate == "tanh", kernels[0].tiles)
+        self.dims = (ctypes.c_long * 9)(C, hidden, attn.n_head, attn.head_size, *(k.padded for k in kernels),
+                                        ffwd.gelu.approximate == "tanh")
         self.eps, self.function = norms[0].eps, load().bf16_block
         return self
 

@@ -13,7 +13,7 @@ A request's tokens do not depend on what else runs, because every row is compute
 prompt is encoded alone, in chunks of a fixed size; its sampling draws from its own generator; and a step
 either (on the CPU) attends row by row over exactly each row's positions with oneDNN's prepacked matrix
 products (PackedLinear), whose result for one row does not depend on the number of rows (on a CPU with AMX,
-decoding's products by one of our own kernels, each row summed alone: KernelLinear, TilesLinear), or (on CUDA:
+decoding's products by our own kernel, each row summed alone: KernelLinear), or (on CUDA:
 fixed) runs every row of the cache in shapes that never change, as one CUDA graph (machinery/decode.py).
 
 With a prefix cache (prefix_cache_mb; machinery/prefix_cache.py), a prompt's whole chunks are kept, and a
@@ -32,7 +32,7 @@ exception outside any request stops the engine (alive is then False: serve.py's 
 Decoding runs at the speed of memory (BENCHMARKS.md): the model is converted to the run's dtype instead of
 autocast re-casting its weights at every step; on the CPU the linear layers are prepacked for oneDNN (and
 moved into huge pages once a run is long enough to gain the move back: HUGE_PAGES_AFTER, machinery/hugepages.py;
-where the CPU has AMX, decoding reads them with our own kernels: KernelLinear, TilesLinear), and the KV cache
+where the CPU has AMX, decoding reads them with our own kernel: KernelLinear), and the KV cache
 stays in float32, where attention runs (where the CPU has AMX, a bfloat16 model's cache is bfloat16, half the
 bytes, and a decoding row attends by our own kernel: decode.cache_dtype; with both, a decoding pass runs each
 Block as one call of ours, without PyTorch's operations between the products: KernelBlock). Past block_size a
@@ -315,16 +315,14 @@ class PackedLinear(RowsLinear):
 
 class KernelLinear(PackedLinear):
     """A PackedLinear whose decoding passes (one position a row: x of shape (rows, 1, in)) run our own kernel over
-    the packed weight (machinery/bf16_rows.py: on a CPU with AMX, 0.63-0.76 of oneDNN's time at 1-4 rows), every
+    the packed weight (machinery/bf16_rows.py: on a CPU with AMX, 0.4-0.6 of oneDNN's time at 1-32 rows), every
     row summed alone, so unpadded and whatever the number of rows; prompts' chunks run oneDNN's AMX kernel, as in
     a PackedLinear. bfloat16 only; a weight that the kernel cannot read (bf16_rows.Kernel) keeps oneDNN's product
     in every pass."""
 
-    TILES = False  # which of our kernels: bf16_rows (vdpbf16ps), or AMX's tiles (TilesLinear)
-
     def __init__(self, linear, dtype=None):
         super().__init__(linear, dtype)
-        self.kernel = bf16_rows.Kernel(self.packed, linear.weight.detach(), tiles=self.TILES)
+        self.kernel = bf16_rows.Kernel(self.packed, linear.weight.detach())
 
     def forward(self, x):
         if self.kernel is not None and x.dim() == 3 and x.shape[1] == 1 and x.dtype == torch.bfloat16:
@@ -332,17 +330,9 @@ class KernelLinear(PackedLinear):
         return super().forward(x)
 
 
-class TilesLinear(KernelLinear):
-    """A KernelLinear whose kernel is AMX's tiles (bf16_tiles: 0.4 of oneDNN's time at 16 and 32 rows, as fast as
-    bf16_rows at one), for engines whose passes may hold more than bf16_rows.ROWS rows."""
-
-    TILES = True
-
-
 class KernelBlock(Block):
     """A Block whose decoding passes (one position a row, over a KV cache that our attention kernel reads: an
-    engine's every such pass, or none) run as one call of our own for up to bf16_rows.ROWS rows
-    (bf16_rows.BlockKernel: LayerNorms, products, attention, GELU and residuals, each row alone, rounded where
+    engine's every such pass, or none) run as one call of our own (bf16_rows.BlockKernel: LayerNorms, products, attention, GELU and residuals, each row alone, rounded where
     PyTorch rounds); prompts' chunks run the Block's own modules, which it shares (the same parameters, the same
     names)."""
 
@@ -451,19 +441,17 @@ def _probe_rows(linear):
     return x.to(linear.dtype)
 
 
-def prepare(model, device, dtype, compile=False, quantize=None, rows=None):
+def prepare(model, device, dtype, compile=False, quantize=None):
     """The model ready to decode on device in dtype ("float32", "bfloat16", "float16"): in eval mode, its
     weights in dtype, and on the CPU its linear layers RowsLinear, prepacked where that is faster (can_pack),
-    which the Engine calibrates (how many rows a pass may hold, whether a lone row is padded). rows: the most rows
-    a decoding pass will hold (the Engine's max_batch), where known: on a CPU with AMX, bfloat16 decoding passes
-    run our own kernels, at most bf16_rows.ROWS rows KernelLinear's (vdpbf16ps), more (or not known) TilesLinear's
-    (AMX's tiles; any number is correct with either, each one's speed is its own). compile: the engine will
+    which the Engine calibrates (how many rows a pass may hold, whether a lone row is padded); on a CPU with AMX,
+    bfloat16 decoding passes run our own kernel (KernelLinear), whatever their rows. compile: the engine will
     compile it (Engine(compile=True)), so nothing is prepacked: inductor packs weights itself (whether a row's
     result then depends on the others is up to its kernels). quantize="int8": int8 weights for the linear layers
     that take them (machinery/quantize.py), before either."""
     on_cpu, model = torch.device(device).type == "cpu", model.eval()
     packs = on_cpu and can_pack(dtype)
-    packed = kernel_linear(rows) if packs and uses_kernel(dtype) else PackedLinear
+    packed = KernelLinear if packs and uses_kernel(dtype) else PackedLinear
     if packs and not compile and not quantize:
         _pack(model, packed, hardware.DTYPES[dtype])  # before the rest is converted: no unpacked copy of them all
     model = quantization.quantize(model.to(device=device, dtype=hardware.DTYPES[dtype]), quantize)
@@ -473,21 +461,16 @@ def prepare(model, device, dtype, compile=False, quantize=None, rows=None):
         rows_linear = packed if packs else RowsLinear
         for module, name, linear in _linear_layers(model):
             setattr(module, name, rows_linear(linear))
-        if issubclass(rows_linear, KernelLinear):
+        if rows_linear is KernelLinear:
             _fuse(model)
     return model
 
 
 def uses_kernel(dtype):
-    """Do decoding passes in dtype run our own kernels (KernelLinear, TilesLinear) here: bfloat16, on a CPU with
-    AMX (where they were measured faster: BENCHMARKS.md), where they can be built?"""
+    """Do decoding passes in dtype run our own kernel (KernelLinear) here: bfloat16, on a CPU with AMX (where it
+    was measured faster: BENCHMARKS.md), where it can be built? (A layer whose weight it cannot read, or where Linux
+    does not lend AMX, keeps oneDNN's product: bf16_rows.Kernel.)"""
     return dtype == "bfloat16" and bf16_rows.chosen()
-
-
-def kernel_linear(rows):
-    """Our kernel's layer for passes of at most rows rows (None: not known): KernelLinear up to bf16_rows.ROWS,
-    else TilesLinear (BENCHMARKS.md: each the faster there)."""
-    return KernelLinear if rows is not None and rows <= bf16_rows.ROWS else TilesLinear
 
 
 def _pack(model, packed, dtype):

@@ -16,7 +16,7 @@ from test_engine import Tokens, scored, small_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL = pytest.mark.skipif(bf16_rows.load() is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                             reason="the kernel needs Linux on x86-64 with AVX-512 BF16, gcc, and oneDNN's bfloat16")
-AMX = pytest.mark.skipif(not engine.uses_kernel("bfloat16"),
+AMX = pytest.mark.skipif(not engine.uses_kernel("bfloat16") or not bf16_rows.load().amx,
                          reason="the engine decodes with the kernel only on a CPU with AMX (and with the kernel)")
 
 
@@ -25,31 +25,27 @@ def packed(weight):
     return torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16).contiguous(), None)
 
 
-KINDS = pytest.mark.parametrize("tiles", [False, True], ids=["vdpbf16ps", "tiles"])  # bf16_rows, bf16_tiles
-
-
-def kernel_of(weight, tiles=False):
-    if tiles and not bf16_rows.load().amx:
-        pytest.skip("bf16_tiles needs AMX, lent by Linux")
-    kernel = bf16_rows.Kernel(packed(weight), weight, tiles=tiles)
+def kernel_of(weight):
+    if not bf16_rows.load().amx:
+        pytest.skip("the kernel needs AMX, lent by Linux")
+    kernel = bf16_rows.Kernel(packed(weight), weight)
     if kernel is None:
         pytest.skip("oneDNN packs bfloat16 otherwise on this CPU (another block or order): the kernel stays unused")
     return kernel
 
 
 @KERNEL
-@KINDS
 @pytest.mark.parametrize("out_features, in_features", [(96, 64), (100, 40), (65, 48), (7, 2), (300, 768)])
-def test_products_are_exact_where_float32_sums_are(out_features, in_features, tiles):
+def test_products_are_exact_where_float32_sums_are(out_features, in_features):
     """Small integers (|w|, |x|, |bias| <= 8): every product and partial sum is an integer below 2**24, so exact
     in float32 whatever the order; the kernel gives the float64 product rounded to bfloat16 (to nearest even),
-    with and without the bias, for 1 to 9 rows (a group of 4, and the rest) and 33 (tiles: two groups of 32 rows,
-    the last padded to 16), where oneDNN pads the outputs (not a multiple of 32) and the inputs (40, 48, 2: not a
-    multiple of 32), by either kernel."""
+    with and without the bias, for 1 to 9 rows (a tile of 16 rows, padded) and 33 (two groups of 32 rows, the
+    last padded to 16), where oneDNN pads the outputs (not a multiple of 32) and the inputs (40, 48, 2: not a
+    multiple of 32)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randint(-8, 9, (out_features, in_features), generator=g).to(torch.bfloat16)
     bias = torch.randint(-8, 9, (out_features,), generator=g).to(torch.bfloat16)
-    kernel = kernel_of(w, tiles)
+    kernel = kernel_of(w)
     for rows in list(range(1, 10)) + [33]:
         x = torch.randint(-8, 9, (rows, in_features), generator=g).to(torch.bfloat16)
         exact = x.double() @ w.double().T
@@ -58,17 +54,15 @@ def test_products_are_exact_where_float32_sums_are(out_features, in_features, ti
 
 
 @KERNEL
-@KINDS
-def test_a_product_is_within_float32_summing_of_the_exact_one_and_each_row_is_its_result_alone(tiles):
+def test_a_product_is_within_float32_summing_of_the_exact_one_and_each_row_is_its_result_alone():
     """Random inputs to GPT-2's 3072 -> 768: each output is the exact (float64) product within what rounding
     to bfloat16 (half a unit in its last place) and 3072 float32 additions (3072 * 2**-24 of the sum of the
-    terms' magnitudes) allow; and 7 (or 40) rows computed together give each row, bit for bit, what it gets alone;
-    by either kernel."""
+    terms' magnitudes) allow; and 40 rows computed together give each row, bit for bit, what it gets alone."""
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(768, 3072, generator=g) * 0.02).to(torch.bfloat16)
     bias = torch.randn(768, generator=g).to(torch.bfloat16)
-    x = torch.randn(40 if tiles else 7, 3072, generator=g).to(torch.bfloat16)
-    kernel = kernel_of(w, tiles)
+    x = torch.randn(40, 3072, generator=g).to(torch.bfloat16)
+    kernel = kernel_of(w)
     together = kernel(x, bias)
     exact = x.double() @ w.double().T + bias.double()
     magnitude = x.double().abs() @ w.double().abs().T + bias.double().abs()
@@ -79,14 +73,13 @@ def test_a_product_is_within_float32_summing_of_the_exact_one_and_each_row_is_it
 
 
 @KERNEL
-@KINDS
-def test_a_weight_not_laid_out_as_the_kernel_reads_it_is_refused(tiles):
+def test_a_weight_not_laid_out_as_the_kernel_reads_it_is_refused():
     """The kernel binds to a packed weight only where the packed memory holds that weight in its order: another
     weight's packing, or a float32 packing, gives None (the layer keeps oneDNN's product)."""
     w = torch.randn(64, 64)
-    assert kernel_of(w, tiles) is not None
-    assert bf16_rows.Kernel(packed(w), w.flip(0), tiles=tiles) is None
-    assert bf16_rows.Kernel(torch.ops.mkldnn._reorder_linear_weight(w, None), w, tiles=tiles) is None
+    assert kernel_of(w) is not None
+    assert bf16_rows.Kernel(packed(w), w.flip(0)) is None
+    assert bf16_rows.Kernel(torch.ops.mkldnn._reorder_linear_weight(w, None), w) is None
 
 
 BUILD = """
@@ -120,18 +113,16 @@ def test_the_kernel_is_built_once_into_the_cache_and_without_gcc_decoding_stays_
 
 
 @AMX
-def test_the_engine_decodes_with_vdpbf16ps_for_few_rows_and_amx_tiles_for_more():
-    """prepare(rows=1 to bf16_rows.ROWS) gives every linear layer the vdpbf16ps kernel (KernelLinear, all bound);
-    rows past it, or not known, AMX's tiles (TilesLinear, where Linux lends AMX); float32 oneDNN's PackedLinear."""
-    def kinds(dtype, rows):
-        model = engine.prepare(small_model(), "cpu", dtype, rows=rows)
+def test_the_engine_decodes_bfloat16_with_the_kernel():
+    """prepare in bfloat16 gives every linear layer the kernel (KernelLinear, all bound where Linux lends AMX);
+    float32 oneDNN's PackedLinear."""
+    def kinds(dtype):
+        model = engine.prepare(small_model(), "cpu", dtype)
         return {(type(m).__name__, getattr(m, "kernel", None) is not None) for m in model.modules()
                 if isinstance(m, engine.RowsLinear)}
 
-    assert kinds("bfloat16", 1) == kinds("bfloat16", bf16_rows.ROWS) == {("KernelLinear", True)}
-    tiles = {("TilesLinear", bf16_rows.load().amx)}
-    assert kinds("bfloat16", bf16_rows.ROWS + 1) == kinds("bfloat16", None) == kinds("bfloat16", 32) == tiles
-    assert kinds("float32", 1) == {("PackedLinear", False)}
+    assert kinds("bfloat16") == {("KernelLinear", bf16_rows.load().amx)}
+    assert kinds("float32") == {("PackedLinear", False)}
 
 
 @AMX
@@ -139,8 +130,7 @@ def test_with_the_kernel_a_requests_scores_do_not_depend_on_how_many_rows_decode
     """The kernel decodes any number of rows correctly, each alone: 12 seeded requests decoding together in an
     engine of the kernel's model score bit for bit as each one alone, and calibrate lets a pass hold all 12; the
     prompts (more than one position a row) are oneDNN's products, the decoding passes the kernel's."""
-    model = engine.prepare(small_model(n_embd=768, n_layer=1, vocab_size=300, block_size=64), "cpu", "bfloat16",
-                           rows=1)
+    model = engine.prepare(small_model(n_embd=768, n_layer=1, vocab_size=300, block_size=64), "cpu", "bfloat16")
     runner = engine.Engine(model, Tokens(300), max_batch=12)
     assert runner.pass_rows == 12
     g = torch.Generator().manual_seed(2)
@@ -238,7 +228,7 @@ def test_a_bfloat16_engine_keeps_a_bfloat16_cache_and_decoding_rows_attend_with_
 
     torch.manual_seed(4)
     config = GPTConfig(block_size=64, vocab_size=300, n_layer=2, n_head=2, n_embd=128, qk_norm=True)
-    model = engine.prepare(GPT(config), "cpu", "bfloat16", rows=6)  # (2 heads of 64)
+    model = engine.prepare(GPT(config), "cpu", "bfloat16")  # (2 heads of 64)
     assert {type(b).__name__ for b in model.blocks} == {"Block"}
     runner = engine.Engine(model, Tokens(300), max_batch=6)
     assert runner.slots.k[0].dtype == torch.bfloat16 and runner.slots.attend is bf16_rows.attend
@@ -251,9 +241,9 @@ def test_a_bfloat16_engine_keeps_a_bfloat16_cache_and_decoding_rows_attend_with_
     # each request's 4 decoding passes (its first token comes from its prompt's pass), in each of 2 layers
     assert sorted(calls) == sorted(n for i in range(6) for n in range(4 + 2 * i, 8 + 2 * i) for _ in range(2))
     assert [scored(runner, [r])[0] for r in requests] == together
-    float32 = engine.Engine(engine.prepare(small_model(), "cpu", "float32", rows=1), Tokens(70))
+    float32 = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70))
     compiled = engine.Engine(engine.prepare(small_model(), "cpu", "bfloat16", compile=True), Tokens(70), compile=True)
-    odd_heads = engine.Engine(engine.prepare(small_model(n_embd=72), "cpu", "bfloat16", rows=1), Tokens(70))
+    odd_heads = engine.Engine(engine.prepare(small_model(n_embd=72), "cpu", "bfloat16"), Tokens(70))
     for other in (float32, compiled, odd_heads):  # (heads of 36: not a multiple of 16)
         assert other.slots.k[0].dtype == torch.float32 and other.slots.attend is None
     long_rows = small_model(n_embd=32, n_layer=1, block_size=bf16_rows.POSITIONS).to(torch.bfloat16)
@@ -336,24 +326,20 @@ def block_by_steps(block, x, caches):
 
 @AMX
 @ATTENDS
-@pytest.mark.parametrize("bias, approximate, n_embd, n_head, mlp_ratio, rows",
-                         [(True, "tanh", 128, 2, 4, 1), (False, "none", 128, 2, 4, 1), (True, "none", 80, 5, 3, 1),
-                          (True, "tanh", 128, 2, 4, 32), (True, "none", 80, 5, 3, 32)])
-def test_a_block_kernel_is_the_blocks_steps_in_order_each_row_alone(bias, approximate, n_embd, n_head, mlp_ratio,
-                                                                     rows):
-    """1 to 9 rows (groups of 4 and the rest) and 40, each after its own number of positions: bf16_block's output
-    and the keys and values it stores are bit for bit those of the Block's steps taken one by one (block_by_steps),
-    with and without biases, either GELU, widths that are not a multiple of 32 (80: oneDNN pads the outputs;
-    240), and either product kernel (prepare's rows: 1, vdpbf16ps; 32, AMX's tiles)."""
+@pytest.mark.parametrize("bias, approximate, n_embd, n_head, mlp_ratio",
+                         [(True, "tanh", 128, 2, 4), (False, "none", 128, 2, 4), (True, "none", 80, 5, 3)])
+def test_a_block_kernel_is_the_blocks_steps_in_order_each_row_alone(bias, approximate, n_embd, n_head, mlp_ratio):
+    """1, 3, 4, 9 and 40 rows (a tile of 16, padded; two groups of 32), each after its own number of positions:
+    bf16_block's output and the keys and values it stores are bit for bit those of the Block's steps taken one by
+    one (block_by_steps), with and without biases, either GELU, and widths that are not a multiple of 32 (80:
+    oneDNN pads the outputs; 240)."""
     from model import GPT, GPTConfig
 
     torch.manual_seed(5)
     config = GPTConfig(block_size=64, vocab_size=80, n_layer=1, n_head=n_head, n_embd=n_embd, bias=bias,
                        gelu=approximate, mlp_ratio=mlp_ratio)
-    block = engine.prepare(GPT(config), "cpu", "bfloat16", rows=rows).blocks[0]
-    if rows > bf16_rows.ROWS and not bf16_rows.load().amx:
-        pytest.skip("bf16_tiles needs AMX, lent by Linux")
-    assert isinstance(block, engine.KernelBlock) and block.attn.qkv.kernel.tiles == (rows > bf16_rows.ROWS)
+    block = engine.prepare(GPT(config), "cpu", "bfloat16").blocks[0]
+    assert isinstance(block, engine.KernelBlock)
     size = n_embd // n_head
     for count in (1, 3, 4, 9, 40):
         x = torch.randn(count, 1, n_embd).to(torch.bfloat16)
@@ -367,24 +353,21 @@ def test_a_block_kernel_is_the_blocks_steps_in_order_each_row_alone(bias, approx
 
 @AMX
 @ATTENDS
-@pytest.mark.parametrize("rows", [1, 9])
-def test_an_engine_of_the_kernels_decodes_every_block_with_one_call_each_row_alone(rows):
-    """prepare(rows=1 or 9: vdpbf16ps or AMX's tiles) makes every Block a KernelBlock (not in float32, or with
-    qk_norm); in an engine its decoding passes run the kernel (prompts PyTorch's Block) and 9 seeded requests
-    (passes of up to 9 rows) score together as each one alone."""
-    def blocks(dtype, rows, **options):
-        model = engine.prepare(small_model(n_embd=128, **options), "cpu", dtype, rows=rows)
+def test_an_engine_of_the_kernels_decodes_every_block_with_one_call_each_row_alone():
+    """prepare in bfloat16 makes every Block a KernelBlock (not in float32, or with qk_norm); in an engine its
+    decoding passes run the kernel (prompts PyTorch's Block) and 9 seeded requests (passes of up to 9 rows) score
+    together as each one alone."""
+    def blocks(dtype, **options):
+        model = engine.prepare(small_model(n_embd=128, **options), "cpu", dtype)
         return model, {type(b).__name__ for b in model.blocks}
 
     from model import GPT, GPTConfig
 
-    assert blocks("float32", 1)[1] == {"Block"}
+    assert blocks("float32")[1] == {"Block"}
     qk = engine.prepare(GPT(GPTConfig(block_size=32, vocab_size=70, n_layer=1, n_head=2, n_embd=128, qk_norm=True)),
-                        "cpu", "bfloat16", rows=1)
+                        "cpu", "bfloat16")
     assert {type(b).__name__ for b in qk.blocks} == {"Block"}
-    model, kinds = blocks("bfloat16", rows, vocab_size=300, block_size=64)
-    if rows > bf16_rows.ROWS and not bf16_rows.load().amx:
-        pytest.skip("bf16_tiles needs AMX, lent by Linux")
+    model, kinds = blocks("bfloat16", vocab_size=300, block_size=64)
     assert kinds == {"KernelBlock"}
     calls = []
     for block in model.blocks:
