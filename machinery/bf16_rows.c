@@ -184,8 +184,8 @@ void bf16_attend(const uint16_t *q, const uint16_t *kn, const uint16_t *vn, uint
 }
 
 /*
- * bf16_layer_norm, bf16_gelu, bf16_block: a whole transformer block (model.py's Block) for a decoding pass of a
- * few rows, one new position each, in one call: a pass spends a third of its time between the products in
+ * bf16_layer_norm, bf16_gelu, bf16_block: a whole transformer block (model.py's Block) for a decoding pass's
+ * rows, one new position each, in one call: a pass spends a third of its time between the products in
  * PyTorch's operations and Python around them otherwise (BENCHMARKS.md). Each step rounds to bfloat16 where
  * PyTorch's bfloat16 Block rounds, and computes in float32 between, as PyTorch's CPU kernels do: a result may
  * differ from PyTorch's in its last bit where the two float32 values lie either side of a rounding boundary.

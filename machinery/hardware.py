@@ -16,11 +16,10 @@ The CPU kinds this knows (cpu_kind), and what is chosen on each (measured: BENCH
 
     AMX            bfloat16; oneDNN's AMX kernels for prompts, at every number of rows (ONEDNN_VERBOSE=1
                    names brg_matmul:avx10_1_512_amx), which block, and so round, otherwise beyond some
-                   number of rows (engine.calibrate); decoding passes our own kernels over AMX's
-                   packing (machinery/bf16_rows.py): AVX-512 BF16's where a pass holds at most 4 rows
-                   (sample.py with one to four samples), AMX's tiles where more (serve.py); a decoding
-                   row's attention our own kernel's too, over a bfloat16 KV cache; and with both, a
-                   decoding pass's whole Block one call of ours (LayerNorms, GELU too)
+                   number of rows (engine.calibrate); decoding passes' products our own AMX kernel's,
+                   over oneDNN's packing, each row alone (machinery/bf16_rows.py); a decoding row's
+                   attention our own kernel's too, over a bfloat16 KV cache; and with both, a decoding
+                   pass's whole Block one call of ours (LayerNorms, GELU too)
     AVX-512 BF16   bfloat16; oneDNN's AVX-512 BF16 kernels
     AVX-512        float32 (bfloat16 only converted there, not computed)
     AVX2           float32 (bfloat16 emulated, ~50x slower; --dtype=float16 for one fast stream)
