@@ -39,6 +39,10 @@ KERNEL __m512 widen(const uint16_t *b, __mmask16 mask) {  /* 16 bfloat16 as floa
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, b)), 16));
 }
 
+KERNEL void store(uint16_t *y, __m512 v, __mmask16 mask) {  /* 16 float32 as bfloat16, rounded to nearest even */
+    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 /* Linux lends a process AMX's tile registers once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA): 0 if so. */
 int bf16_amx(void) {
     return (int)syscall(SYS_arch_prctl, 0x1023, 18);
@@ -67,10 +71,8 @@ AMX void store_rows(const float *sums, const uint16_t *bias, uint16_t *y, long r
     __m512 bhi = bias ? widen(bias + n0 + 16, mhi) : _mm512_setzero_ps();
     for (long m = 0; m < rows; m++) {
         uint16_t *out = y + m * N + n0;
-        __m512 lo = _mm512_add_ps(_mm512_loadu_ps(sums + m * 32), blo);
-        __m512 hi = _mm512_add_ps(_mm512_loadu_ps(sums + m * 32 + 16), bhi);
-        _mm256_mask_storeu_epi16(out, mlo, (__m256i)_mm512_cvtneps_pbh(lo));
-        _mm256_mask_storeu_epi16(out + 16, mhi, (__m256i)_mm512_cvtneps_pbh(hi));
+        store(out, _mm512_add_ps(_mm512_loadu_ps(sums + m * 32), blo), mlo);
+        store(out + 16, _mm512_add_ps(_mm512_loadu_ps(sums + m * 32 + 16), bhi), mhi);
     }
 }
 
@@ -161,9 +163,7 @@ KERNEL void attend_head(const uint16_t *q, const uint16_t *k, const uint16_t *v,
         ask_ahead(v + (j + AHEAD) * size, size);
         for (long i = 0; i < c; i++) o[i] = _mm512_fmadd_ps(p, widen(v + j * size + 16 * i, 0xffff), o[i]);
     }
-    for (long i = 0; i < c; i++)
-        _mm256_storeu_si256((__m256i *)(out + 16 * i),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(o[i], _mm512_set1_ps(sum))));
+    for (long i = 0; i < c; i++) store(out + 16 * i, _mm512_div_ps(o[i], _mm512_set1_ps(sum)), 0xffff);
 }
 
 KERNEL void store_and_attend(const uint16_t *q, const uint16_t *kn, const uint16_t *vn, uint16_t *k, uint16_t *v,
@@ -192,10 +192,6 @@ void bf16_attend(const uint16_t *q, const uint16_t *kn, const uint16_t *vn, uint
  */
 #define LANES(C) for (long c = 0; c < (C); c += 16)
 #define MASK(C) ((C) - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << ((C) - c)) - 1))
-
-KERNEL void store(uint16_t *y, __m512 v, __mmask16 mask) {  /* rounded to bfloat16, to nearest even */
-    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
-}
 
 /* M rows of C: (x - mean) / sqrt(variance + eps) * g + b (b may be NULL), mean and variance over the row's C in
  * float32 (the variance from the mean: two passes) */

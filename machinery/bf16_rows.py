@@ -36,8 +36,8 @@ BLOCK = 32  # outputs in a block of oneDNN's packed weight, as bf16_rows.c reads
 
 @functools.lru_cache(maxsize=None)
 def load():
-    """The kernels (bf16_rows.c's bf16_rows and bf16_attend, through ctypes), built on the first call on this
-    machine; None where they cannot be built or run here."""
+    """The kernels (bf16_rows.c, through ctypes; .amx: whether Linux lends this process AMX, which bf16_rows needs),
+    built on the first call on this machine; None where they cannot be built or run here."""
     if sys.platform != "linux" or platform.machine() != "x86_64" or not torch.cpu._is_avx512_bf16_supported():
         return None
     compiler, openmp = shutil.which("gcc"), _openmp()
@@ -54,9 +54,9 @@ def load():
         library = ctypes.CDLL(path)
     except (OSError, subprocess.SubprocessError):
         return None
+    library.amx = torch.cpu._is_amx_tile_supported() and library.bf16_amx() == 0
     library.bf16_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_int]
     library.bf16_attend.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 4 + [ctypes.c_float, ctypes.c_int]
-    library.amx = torch.cpu._is_amx_tile_supported() and library.bf16_amx() == 0  # (bf16_rows needs AMX, lent)
     library.bf16_layer_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_float]
     library.bf16_gelu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_int]
     library.bf16_block.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_long] + \
@@ -170,27 +170,25 @@ class BlockKernel:
     (new). Called on a decoding pass, it is the whole Block in one call (BENCHMARKS.md)."""
 
     def __new__(cls, block):
-        attn, ffwd, norms = block.attn, block.ffwd, (block.ln1, block.ln2)
-        products = (attn.qkv, attn.proj, ffwd.fc, ffwd.proj)
-        kernels = [getattr(p, "kernel", None) for p in products]
-        C, hidden = attn.qkv.in_features, ffwd.fc.out_features
-        tensors = [t for m in norms for t in (m.weight, m.bias)] + [p.bias for p in products]
-        tensors = [t for t in tensors if t is not None]
+        attn, ffwd, ln1, ln2 = block.attn, block.ffwd, block.ln1, block.ln2
+        qkv, proj, fc, mlp_proj = attn.qkv, attn.proj, ffwd.fc, ffwd.proj
+        kernels = [getattr(p, "kernel", None) for p in (qkv, proj, fc, mlp_proj)]
+        C, hidden = qkv.in_features, fc.out_features
+        bound = (ln1.weight, ln1.bias, kernels[0], qkv.bias, kernels[1], proj.bias,
+                 ln2.weight, ln2.bias, kernels[2], fc.bias, kernels[3], mlp_proj.bias)  # (bf16_block's order)
+        tensors = [t for t in bound if isinstance(t, torch.Tensor)]
         if any(k is None for k in kernels) or attn.qk_norm or ffwd.gelu.approximate not in ("none", "tanh") \
-                or any(n.normalized_shape != (C,) or n.weight is None or n.eps != norms[0].eps for n in norms) \
+                or any(n.normalized_shape != (C,) or n.weight is None or n.eps != ln1.eps for n in (ln1, ln2)) \
                 or any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in tensors) \
                 or not attends(torch.bfloat16, attn.head_size, 1):
             return None
         self = super().__new__(cls)
-        (ln1, ln2), (qkv, proj, fc, mlp_proj) = norms, products
-        bound = (ln1.weight, ln1.bias, kernels[0], qkv.bias, kernels[1], proj.bias,
-                 ln2.weight, ln2.bias, kernels[2], fc.bias, kernels[3], mlp_proj.bias)  # (bf16_block's order)
         pointers = [None if t is None else t.address if isinstance(t, Kernel) else t.data_ptr() for t in bound]
         self.tensors = tensors  # (held: the kernel reads them)
         self.pointers = (ctypes.c_void_p * 12)(*pointers)
         self.dims = (ctypes.c_long * 9)(C, hidden, attn.n_head, attn.head_size, *(k.padded for k in kernels),
                                         ffwd.gelu.approximate == "tanh")
-        self.eps, self.function = norms[0].eps, load().bf16_block
+        self.eps, self.function = ln1.eps, load().bf16_block
         return self
 
     def __call__(self, x, caches):

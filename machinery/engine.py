@@ -332,9 +332,9 @@ class KernelLinear(PackedLinear):
 
 class KernelBlock(Block):
     """A Block whose decoding passes (one position a row, over a KV cache that our attention kernel reads: an
-    engine's every such pass, or none) run as one call of our own (bf16_rows.BlockKernel: LayerNorms, products, attention, GELU and residuals, each row alone, rounded where
-    PyTorch rounds); prompts' chunks run the Block's own modules, which it shares (the same parameters, the same
-    names)."""
+    engine's every such pass, or none) run as one call of our own (bf16_rows.BlockKernel: LayerNorms, products,
+    attention, GELU and residuals, each row alone, rounded where PyTorch rounds); prompts' chunks run the Block's
+    own modules, which it shares (the same parameters, the same names)."""
 
     def __init__(self, block, kernel):
         nn.Module.__init__(self)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from machinery import bf16_rows, decode, engine
+from model import GPT, GPTConfig
 from test_engine import Tokens, scored, small_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -224,8 +225,6 @@ def test_a_bfloat16_engine_keeps_a_bfloat16_cache_and_decoding_rows_attend_with_
     the Block kernel does not take), a prompt's chunk with PyTorch's attention (Head); 6
     seeded requests score alone as together; float32, or an engine that compiles the model, keep float32's cache
     and PyTorch's attention."""
-    from model import GPT, GPTConfig
-
     torch.manual_seed(4)
     config = GPTConfig(block_size=64, vocab_size=300, n_layer=2, n_head=2, n_embd=128, qk_norm=True)
     model = engine.prepare(GPT(config), "cpu", "bfloat16")  # (2 heads of 64)
@@ -333,8 +332,6 @@ def test_a_block_kernel_is_the_blocks_steps_in_order_each_row_alone(bias, approx
     bf16_block's output and the keys and values it stores are bit for bit those of the Block's steps taken one by
     one (block_by_steps), with and without biases, either GELU, and widths that are not a multiple of 32 (80:
     oneDNN pads the outputs; 240)."""
-    from model import GPT, GPTConfig
-
     torch.manual_seed(5)
     config = GPTConfig(block_size=64, vocab_size=80, n_layer=1, n_head=n_head, n_embd=n_embd, bias=bias,
                        gelu=approximate, mlp_ratio=mlp_ratio)
@@ -360,8 +357,6 @@ def test_an_engine_of_the_kernels_decodes_every_block_with_one_call_each_row_alo
     def blocks(dtype, **options):
         model = engine.prepare(small_model(n_embd=128, **options), "cpu", dtype)
         return model, {type(b).__name__ for b in model.blocks}
-
-    from model import GPT, GPTConfig
 
     assert blocks("float32")[1] == {"Block"}
     qk = engine.prepare(GPT(GPTConfig(block_size=32, vocab_size=70, n_layer=1, n_head=2, n_embd=128, qk_norm=True)),
