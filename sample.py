@@ -40,7 +40,7 @@ from machinery.tokenizer import end_of_text_stop
 
 
 @dataclass
-class SampleConfig(loading.RunSource):
+class SampleConfig(loading.EngineSource):
     start: str = setting("\n", "prompt text, or FILE:path to read the prompt from a file")
     num_samples: int = setting(10, "samples to draw (generated together)")
     max_new_tokens: int = setting(500, "tokens to generate per sample")
@@ -115,7 +115,7 @@ def main(argv=None):
     print(describe(loaded.device, loaded.dtype), file=sys.stderr)  # (stdout is the samples' alone)
     runner = engine.Engine(model, tokenizer, loaded.device, max_batch=rows,
                            use_cache=cfg.use_cache, compile=cfg.compile, prefix_cache_mb=cfg.prefix_cache_mb,
-                           calibration=CalibrationCache())
+                           calibration=CalibrationCache(), decode_attention=cfg.decode_attention)
     if cfg.chat:
         talk.converse(cfg, runner, tokenizer)
     else:

@@ -42,7 +42,7 @@ SEND_BUFFER = 16 * 1024
 
 
 @dataclass
-class ServeConfig(loading.RunSource):
+class ServeConfig(loading.EngineSource):
     host: str = setting("127.0.0.1", "address to listen on (0.0.0.0: every interface; then set an api_key)")
     port: int = setting(8000, "port to listen on")
     api_key: Optional[str] = setting(None, "require Authorization: Bearer API_KEY on the API's routes")
@@ -85,7 +85,8 @@ def build(cfg):
     model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
     runner = engine.Engine(model, loaded.tokenizer, loaded.device, cfg.max_batch, cfg.max_waiting,
                            prefill_chunk=cfg.prefill_chunk, stall_timeout=cfg.stream_timeout, compile=cfg.compile,
-                           prefix_cache_mb=cfg.prefix_cache_mb, calibration=CalibrationCache())
+                           prefix_cache_mb=cfg.prefix_cache_mb, calibration=CalibrationCache(),
+                           decode_attention=cfg.decode_attention)
     limits = openai_api.Limits(cfg.max_tokens, cfg.max_n, cfg.max_body)
     server = openai_api.Server(runner, loaded.tokenizer, cfg.served_name, limits, cfg.api_key, loaded.data_meta.chat)
     return server, loaded

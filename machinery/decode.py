@@ -4,19 +4,18 @@ runs the model over it.
 
 - Rows: the rows that have tokens to feed, each attending over exactly its own positions (one attention
   call a row). The shapes change at every step. The CPU's way, and every prompt's (in chunks).
-- Fixed: every row of the cache at once, one token each, each attending over the whole cache through a mask
-  of its own positions. The shapes never change, so on CUDA the step runs as one captured graph (Graph:
-  a launch per step instead of hundreds), and a row's rounding never depends on the others: the same
-  kernels run whatever the load. CUDA's way (engine.Engine's `fixed`).
+- Fixed: every row of the cache at once, one token each, each attending over its own positions of the cache
+  (machinery/decode_attention.py: over the whole cache through a mask, or over the row's own blocks). The shapes
+  never change, so on CUDA the step runs as one captured graph (a launch per step instead of hundreds), and a
+  row's rounding never depends on the others: the same kernels run whatever the load. CUDA's way
+  (engine.Engine's `fixed`).
 """
 
 import sys
 
 import torch
 
-from machinery import bf16_rows
-
-FIXED_ALIGN = 64  # a fixed cache's positions are a multiple of this (aligned for the attention kernels)
+from machinery import bf16_rows, decode_attention
 
 
 def cache_dtype(model, device, fixed=False, compiled=False):
@@ -37,18 +36,20 @@ class Slots:
     """The keys and values of every layer for `rows` requests of up to block_size positions each (and one spare:
     a compiled model then never sees a slice of the whole buffer). A running request holds one row from its
     first token to its last; the next request reuses it, so the cache's memory is that of `rows` rows
-    whatever the number of requests. fixed: rounded up to FIXED_ALIGN positions and zeroed, since a fixed step
-    reads every position (masked: but 0 x NaN would still be NaN); else empty, as a row only reads what it
-    wrote."""
+    whatever the number of requests. fixed: rounded up to what the step's attention reads whole
+    (decode_attention.ALIGN) and zeroed, since a fixed step reads positions past a row's (masked: but 0 x NaN would
+    still be NaN); else empty, as a row only reads what it wrote."""
 
-    def __init__(self, config, rows, dtype, device, fixed=False):
+    def __init__(self, config, rows, dtype, device, fixed=False, attention="full"):
         length = config.block_size + 1
         if fixed:
-            length = -(-length // FIXED_ALIGN) * FIXED_ALIGN
+            align = decode_attention.ALIGN[attention]
+            length = -(-length // align) * align
         shape = (rows, config.n_head, length, config.n_embd // config.n_head)
         alloc = torch.zeros if fixed else torch.empty
-        self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        # a layer's keys and values in one tensor (2, *shape): a fixed step writes both with one indexed write
+        self.kv = [alloc((2, *shape), dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.k, self.v = [kv[0] for kv in self.kv], [kv[1] for kv in self.kv]
         self.rows, self.length, self.device = rows, length, torch.device(device)
         self.free = list(range(rows))[::-1]
         # one row's attention by our kernel (a row of one new token, on a CPU), where it runs on this cache
@@ -109,67 +110,126 @@ class Rows:
 
 class Fixed:
     """The kv_cache of a fixed-shape step: one token for every row of the cache, at positions `pos` (rows,),
-    a tensor on the device that each step fills in (so that one captured graph serves every step)."""
+    a tensor on the device that each step fills in (so that one captured graph serves every step). attention: how
+    the rows attend (decode_attention.KINDS); compiled: the step runs torch.compiled."""
 
-    def __init__(self, slots):
-        self.slots = slots
+    def __init__(self, slots, attention="full", compiled=False):
+        self.slots, self.compiled = slots, compiled
         self.pos = torch.zeros(slots.rows, dtype=torch.long, device=slots.device)
-        self.index = torch.arange(slots.rows, device=slots.device)
-        self.span = torch.arange(slots.length, device=slots.device)
-        self.mask = None
+        _, heads, length, _ = slots.k[0].shape
+        rows = torch.arange(slots.rows, device=slots.device)
+        # where each row's heads begin in a layer's keys seen as (rows * heads * length, head size)
+        self.starts = (rows[:, None] * heads + torch.arange(heads, device=slots.device)) * length
+        self.at = None
+        self.use(attention)
+
+    def use(self, attention):
+        self.attention = decode_attention.make(attention, self.slots, self.pos, self.compiled)
 
     def positions(self, T, device):
-        """(rows, 1): each row's position; each row then sees the positions up to it (the mask)."""
-        self.mask = (self.span[None, :] <= self.pos[:, None])[:, None, None, :]  # (rows, 1, 1, length)
+        """(rows, 1): each row's position; each row then sees the positions up to it (the attention's mask)."""
+        self.at = self.starts + self.pos[:, None]  # (rows, heads): where each row's heads write their new key
+        self.attention.prepare()
         return self.pos[:, None]
 
     def attend(self, layer, q, k, v, heads):
-        keys, values = self.slots.k[layer], self.slots.v[layer]
-        keys[self.index, :, self.pos] = k[:, :, 0].to(keys.dtype)  # each row's new key and value at its position
-        values[self.index, :, self.pos] = v[:, :, 0].to(values.dtype)  # (the CPU's cache is float32: cache_dtype)
-        return heads(q, keys, values, self.mask)
+        self.store(layer, k[:, :, 0], v[:, :, 0])
+        return self.attention(q, self.slots.k[layer], self.slots.v[layer], heads)
+
+    def store(self, layer, k, v):
+        """Each row's new key and value (rows, heads, head size) at its position in layer's cache: one indexed
+        write for both where they are views of one tensor (the model's qkv projection, split), else one each."""
+        kv = self.slots.kv[layer]
+        k, v = k.to(kv.dtype), v.to(kv.dtype)  # (the CPU's cache is float32: cache_dtype)
+        flat = kv.view(2, -1, kv.size(-1))  # (2, rows * heads * length, head size)
+        both = None if torch.compiler.is_compiling() else joint(k, v)  # (inductor fuses the writes itself)
+        if both is not None:
+            flat[:, self.at] = both
+        else:
+            flat[0][self.at], flat[1][self.at] = k, v
 
     def advance(self, T):
         pass
 
 
+def joint(k, v):
+    """k and v as one view (2, *k.shape) where v lies at a fixed distance after k in the same memory with the same
+    strides (two slices of one tensor), else None."""
+    apart = v.storage_offset() - k.storage_offset()
+    if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr() or k.stride() != v.stride() or apart <= 0:
+        return None
+    return k.as_strided((2, *k.shape), (apart, *k.stride()))
+
+
 # what a failed capture says on stderr (bench.py refuses to report an eager figure as the graph's)
 EAGER_NOTE = "note: the decoding step runs eagerly, without a CUDA graph"
+# what flex attention that cannot run says, once, before the step decodes with full attention instead
+FLEX_NOTE = "note: decode_attention=flex cannot run here; the decoding step attends with full"
 
 
 class FixedStep:
     """The model's fixed-shape decoding step: logits (rows, 1, V) of one token per row of the cache, torch.compiled
-    when asked (static shapes: one graph, whatever the lengths). On CUDA it is captured as a graph at the first
-    call and replayed after (eager where capture fails: said once)."""
+    when asked (static shapes: one graph, whatever the lengths), its rows attending as `attention` says
+    (decode_attention.KINDS). On CUDA it is captured as a graph at the first call and replayed after (eager where
+    capture fails: said once). Flex attention that fails at the first call (to build, compile or capture) gives way
+    to full attention: said once."""
 
-    def __init__(self, model, slots, compile=False):
-        self.model, self.fixed = model, Fixed(slots)
+    def __init__(self, model, slots, compile=False, attention="full"):
+        self.model, self.compile, self.fixed = model, compile, Fixed(slots, attention, compile)
         self.idx = torch.zeros(slots.rows, 1, dtype=torch.long, device=slots.device)
         self.graph, self.logits = None, None
         self.capture = slots.device.type == "cuda"
-        self._run = torch.compile(self._eager, fullgraph=True, dynamic=False) if compile else self._eager
+        self.started = False
+        self._run = self._compiled()
 
     def __call__(self, idx, pos):
         """Run the step on tokens idx (rows, 1) at positions pos (rows,), both on the CPU."""
         self.idx.copy_(idx, non_blocking=True)
         self.fixed.pos.copy_(pos, non_blocking=True)
+        if not self.started:
+            self.started = True
+            return self._first()
+        if self.graph is None:
+            return self._run()
+        self.graph.replay()
+        return self.logits
+
+    def _first(self):
+        """The first step: flex attention that cannot run gives way to full, which then captures (or not) anew."""
+        try:
+            return self._start()
+        except Exception as e:
+            if self.fixed.attention.kind == "full":
+                raise
+            print(f"{FLEX_NOTE} ({said(e)})", file=sys.stderr)
+            self.fixed.use("full")
+            self._run = self._compiled()
+            return self._start()
+
+    def _start(self):
+        """Capture the step as a graph where it is one (self.capture), then run it."""
         if self.capture:
-            self.capture = False
             stream = torch.cuda.current_stream(self.idx.device)
             try:
                 with torch.cuda.device(self.idx.device):  # (the thread's current GPU may be another: cuda:N)
                     self._capture()
             except Exception as e:  # e.g. a model whose kernels cannot be captured, or that did not compile
                 # a failed capture can leave its stream current (torch.cuda.graph ends the capture first); then the
-                # step runs eagerly, as the model itself
+                # step runs eagerly, as the model itself, unless flex attention was in it: full's capture first
                 torch.cuda.set_stream(stream)
-                self.graph, self._run = None, self._eager
-                print(f"{EAGER_NOTE} ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0][:160] if str(e) else ''})", file=sys.stderr)
+                self.graph = None
+                if self.fixed.attention.kind != "full":
+                    raise
+                self._run = self._eager
+                print(f"{EAGER_NOTE} ({said(e)})", file=sys.stderr)
+            self.capture = False
         if self.graph is None:
             return self._run()
         self.graph.replay()
         return self.logits
+
+    def _compiled(self):
+        return torch.compile(self._eager, fullgraph=True, dynamic=False) if self.compile else self._eager
 
     def _eager(self):
         return self.model(self.idx, kv_cache=self.fixed)[0]
@@ -185,3 +245,8 @@ class FixedStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = self._run()
+
+
+def said(e):
+    """An exception in a note's parentheses: its type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"

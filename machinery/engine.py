@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from machinery import bf16_rows, decode, hardware, hugepages
 from machinery import quantize as quantization
 from machinery.calibration_cache import layer_key
+from machinery.decode_attention import check as check_attention
 from machinery.errors import first_line
 from machinery.prefix_cache import PrefixCache
 from model import Block, attention_backends, sample_next
@@ -517,6 +518,7 @@ class Engine:
     generation (see Generation) may wait for its reader; use_cache=False encodes each row's whole window again
     for every token, as nanoGPT does (the same tokens, slower); fixed: decode every row of the cache at every
     step, in shapes that never change (machinery/decode.py; None: on CUDA, where it runs as a CUDA graph);
+    decode_attention: how the fixed step's rows attend (machinery/decode_attention.py: full or flex; flex needs fixed);
     compile: torch.compile the fixed step (static shapes: one graph), else the model in place (dynamic shapes);
     prefix_cache_mb: the prefix cache's budget (machinery/prefix_cache.py; 0: none), which also keeps the rows of
     paused generations, and of rows that have run a quantum, while waiting requests take their slots;
@@ -524,14 +526,15 @@ class Engine:
 
     def __init__(self, model, tokenizer, device="cpu", max_batch=32, max_waiting=256, use_cache=True,
                  prefill_chunk=64, stall_timeout=60.0, fixed=None, compile=False, prefix_cache_mb=0,
-                 calibration=None):
+                 calibration=None, decode_attention="full"):
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.vocab = tokenizer.vocab_size  # the tokenizer's ids: a padded vocabulary's extra rows are never drawn
         self.block_size = model.config.block_size
         self.fixed = self.device.type == "cuda" if fixed is None else fixed
+        check_attention(decode_attention, self.fixed)
         self.slots = decode.Slots(model.config, max_batch, decode.cache_dtype(model, self.device, self.fixed, compile),
-                                  self.device, self.fixed)
-        self.fixed_step = decode.FixedStep(model, self.slots, compile) if self.fixed else None
+                                  self.device, self.fixed, decode_attention)
+        self.fixed_step = decode.FixedStep(model, self.slots, compile, decode_attention) if self.fixed else None
         if compile and not self.fixed:
             model.compile(dynamic=True)  # in place: the engine's calls to the model run compiled
         self.max_batch, self.max_waiting, self.use_cache = max_batch, max_waiting, use_cache

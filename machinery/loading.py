@@ -8,6 +8,8 @@ eval.py, export.py, serve.py) and loading it.
     --meta=PATH                                             the tokenizer, for checkpoints that record none
     --device, --dtype                                       where it runs, in which precision (hardware.py)
     --quantize=int8                                         int8 weights for decoding on the CPU (quantize.py)
+    --decode_attention=full|flex                            how CUDA's decoding step attends (sample.py, serve.py:
+                                                            decode_attention.py)
 
 load() returns a Loaded: the model in eval mode on its device, its tokenizer and dataset metadata, and the
 precision to run it in.
@@ -17,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from machinery import checkpoint, convert, dataset, meta
+from machinery import checkpoint, convert, dataset, decode_attention, meta
 from machinery import quantize as quantization
 from machinery.configurator import setting
 from machinery.errors import UserError
@@ -60,6 +62,22 @@ class RunSource(ModelSource):
     def validate(self):
         super().validate()
         quantization.check(self.quantize, self.device if self.device != "auto" else None)
+
+
+@dataclass
+class EngineSource(RunSource):
+    """A run source that the generation engine decodes (sample.py and serve.py)."""
+
+    decode_attention: str = setting("full", "how each row attends in CUDA's fixed decoding step: full (SDPA over "
+                                            "the whole cache, masked to the row's positions) or flex (FlexAttention, "
+                                            "compiled, over the row's own blocks of the cache only; full where it "
+                                            "cannot run, said once). The CPU decodes row by row, each row over its "
+                                            "own positions: flex does not apply there (refused)")
+
+    def validate(self):
+        super().validate()
+        device = self.device.split(":")[0]  # (auto: the engine checks, once it is picked)
+        decode_attention.check(self.decode_attention, fixed=device in ("cuda", "auto"))
 
 
 @dataclass

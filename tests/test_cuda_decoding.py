@@ -1,7 +1,8 @@
 """Decoding on CUDA (skipped without a GPU; CI is CPU-only): the engine's fixed step, captured as a CUDA graph,
 gives the uncached model's greedy tokens (in float32 exactly, in bfloat16 within its rounding), a request's tokens
 alone and among 31 others are the same (and a row's draw alone and in any batch), a step waits for the GPU once,
-and serve.py answers. Collected with torch alone (a GPU machine may have nothing else): serve.py's test imports the
+and serve.py answers; with decode_attention=flex (compiled, in the graph) too, and its logits are full's within
+bfloat16's rounding. Collected with torch alone (a GPU machine may have nothing else): serve.py's test imports the
 serving packages when it runs, and skips where they are missing (tested in test_cuda_decisions.py)."""
 
 import warnings
@@ -9,7 +10,9 @@ import warnings
 import pytest
 import torch
 
-from machinery import engine
+from machinery import decode, engine
+from model import attention_backends
+from test_decode_attention import BLOCK, EDGES, among_others
 from test_engine import Tokens, run, small_model
 from test_generate import draws_alone_and_in_batches
 
@@ -60,15 +63,71 @@ def test_graph_decoding_in_bfloat16_is_the_eager_steps_and_the_uncached_models_w
     assert (short <= 2 ** -3 * logits.abs().amax(dim=-1)).all(), short.tolist()
 
 
-def test_a_requests_tokens_are_the_same_alone_and_among_31_others():
-    runner = engine.Engine(engine.prepare(small_model(n_embd=256, block_size=64), "cuda", "bfloat16"), Tokens(70),
-                           "cuda", max_batch=32)
+def test_the_flex_graph_gives_the_uncached_greedy_tokens_in_float32_across_its_blocks(tf32_off):
+    """decode_attention=flex, compiled and captured in the step's graph: block_size 200 (2 flex blocks), greedy
+    tokens after a prompt of 120 cross the blocks' edge and slide past block_size, the uncached model's."""
+    model = small_model(block_size=200).to("cuda").eval()
+    prompt = torch.randint(0, 70, (120,), generator=torch.Generator().manual_seed(0)).tolist()
+    expected = model.generate(torch.tensor([prompt], device="cuda"), 100, temperature=0, use_cache=False)[0, 120:]
+    runner = engine.Engine(engine.prepare(small_model(block_size=200), "cuda", "float32"), Tokens(70), "cuda",
+                           fixed=True, decode_attention="flex")
+    assert run(runner, [engine.Request(prompt, max_tokens=100, temperature=0)]) == [expected.tolist()]
+    assert runner.fixed_step.graph is not None and runner.fixed_step.fixed.attention.kind == "flex"
+
+
+# (flex: block_size 200, prompts of 1 to 170 tokens: rows at either side of the flex blocks' edge)
+@pytest.mark.parametrize("attention, block_size, spread, longest", [("full", 64, 1, 7), ("flex", 200, 37, 170)])
+def test_a_requests_tokens_are_the_same_alone_and_among_31_others(attention, block_size, spread, longest):
+    runner = engine.Engine(engine.prepare(small_model(n_embd=256, block_size=block_size), "cuda", "bfloat16"),
+                           Tokens(70), "cuda", max_batch=32, decode_attention=attention)
     g = torch.Generator().manual_seed(0)
-    requests = [engine.Request(torch.randint(0, 70, (1 + i % 7,), generator=g).tolist(), max_tokens=24,
-                               temperature=1.0, seed=i) for i in range(32)]
+    requests = [engine.Request(torch.randint(0, 70, (1 + i * spread % longest,), generator=g).tolist(),
+                               max_tokens=24, temperature=1.0, seed=i) for i in range(32)]
     together = run(runner, requests)
-    assert runner.fixed_step.graph is not None
+    assert runner.fixed_step.graph is not None and runner.fixed_step.fixed.attention.kind == attention
     assert run(runner, [requests[5]]) == [together[5]] and run(runner, [requests[30]]) == [together[30]]
+
+
+@pytest.mark.parametrize("p", EDGES)
+def test_a_rows_flex_attention_is_the_same_bit_for_bit_whatever_the_other_rows_lengths_on_cuda(p):
+    """The compiled flex kernel (keys split across thread blocks, the parts combined) in bfloat16, at the flex
+    blocks' edges: a row's result never depends on the other rows' lengths."""
+    results = among_others(p, "cuda", torch.bfloat16)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+def step_logits(attention, dtype, rows=8, steps=2 * BLOCK + 10):
+    """The float32 logits (steps, rows, V) of a fixed step's graph in dtype attending as attention, fed random tokens,
+    row r at position t - 20 r of step t (0 before: rows of other lengths), across 2 flex block edges; and the
+    step."""
+    model = engine.prepare(small_model(n_embd=256, block_size=300), "cuda", dtype)
+    slots = decode.Slots(model.config, rows, next(model.parameters()).dtype, "cuda", fixed=True, attention=attention)
+    step = decode.FixedStep(model, slots, attention=attention)
+    tokens = torch.randint(0, 70, (rows, steps), generator=torch.Generator().manual_seed(0))
+    logits = []
+    with torch.inference_mode(), attention_backends("cuda"):
+        for t in range(steps):
+            pos = (t - 20 * torch.arange(rows)).clamp(min=0)
+            logits.append(step(tokens.gather(1, pos[:, None]), pos)[:, 0].float().clone())
+    return torch.stack(logits), step
+
+
+def moved(logits, reference):
+    """The median and the largest over steps and rows of |logits - reference| at its largest, over the reference's
+    largest |logit|."""
+    far = (logits - reference).abs().amax(dim=-1) / reference.abs().amax(dim=-1)
+    return torch.quantile(far.flatten().cpu(), torch.tensor([0.5, 1.0]))
+
+
+def test_flex_logits_are_fulls_within_bfloat16_rounding(tf32_off):
+    """The same step in bfloat16 with either attention: flex moves full's logits less than bfloat16's rounding moves
+    them from float32's, at the median step and at the worst (on the CPU, this model's: 0.7 % and 13 % against 1.4 %
+    and 54 %; a wrong position or mask moves most steps' logits by about their spread)."""
+    exact, _ = step_logits("full", "float32")
+    full, _ = step_logits("full", "bfloat16")
+    flex, step = step_logits("flex", "bfloat16")
+    assert step.graph is not None and step.fixed.attention.kind == "flex"
+    assert (moved(flex, full) <= moved(full, exact)).all(), (moved(flex, full), moved(full, exact))
 
 
 def test_a_rows_draw_is_the_same_alone_and_in_any_batch_on_cuda():
