@@ -6,7 +6,9 @@ for the rest) and the schedule of its learning rate and momentum (set_schedule).
                                 muon_lr=0.02, muon_momentum=0.95)
 
 Either way it is ONE torch.optim.Optimizer, so the training loop, torch.amp.GradScaler and
-torch.distributed.checkpoint's get/set_optimizer_state_dict treat it like AdamW.
+torch.distributed.checkpoint's get/set_optimizer_state_dict treat it like AdamW. A step captured as a
+CUDA graph (machinery/step_graph.py) reads the numbers a step computes with (step_numbers: the learning
+rate, Muon's momentum and factors) from device tensors (DeviceNumbers) instead of the groups' floats.
 
 One schedule drives every group: the loop sets group["lr"] to the schedule's AdamW learning rate
 (learning_rate times a warmup/decay multiplier) on every group; a group then steps with
@@ -25,6 +27,7 @@ orthogonalised together, stacked: a few batched products per shape instead of a 
 import inspect
 import math
 import sys
+from contextlib import contextmanager
 
 import torch
 from torch.optim.adam import adam
@@ -102,6 +105,7 @@ class MuonAdamW(torch.optim.AdamW):
         # kernel could do that inside, but the Muon update could not)
         self._step_supports_amp_scaling = False
         self.newton_schulz = compiled_or_eager(newton_schulz) if compile else newton_schulz
+        self.numbers = None  # a captured step's (DeviceNumbers): each group's step_numbers as device tensors
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -109,56 +113,57 @@ class MuonAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
+            numbers = self.numbers[i] if self.numbers is not None else step_numbers(group)
             if group["use_muon"]:
-                self._muon_step(group)
+                self._muon_step(group, numbers)
             else:
-                self._adamw_step(group)
+                self._adamw_step(group, numbers["lr"])
         return loss
 
-    def _adamw_step(self, group):
-        """torch.optim.Adam.step for one group (decoupled weight decay: AdamW), at lr * lr_scale."""
+    def _adamw_step(self, group, lr):
+        """torch.optim.Adam.step for one group (decoupled weight decay: AdamW), at lr (lr * lr_scale)."""
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
         has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
         beta1, beta2 = group["betas"]
         adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"],
-             has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"] * group["lr_scale"],
+             has_complex=has_complex, beta1=beta1, beta2=beta2, lr=lr,
              weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
              foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
              fused=group["fused"], grad_scale=None, found_inf=None,
              decoupled_weight_decay=group["decoupled_weight_decay"])
 
-    def _muon_step(self, group):
+    def _muon_step(self, group, numbers):
         """torch.optim.Muon's update (Nesterov momentum, Newton-Schulz, decoupled weight decay), with
         Polar Express's coefficients. The matrices of one shape are orthogonalised together, stacked: one
         batched iteration per shape (a GPU runs each product of all the layers as one kernel instead of one
         per layer, as modded-nanogpt does), each matrix getting the same products as alone; the elementwise
-        work runs as multi-tensor (foreach) kernels."""
+        work runs as multi-tensor (foreach) kernels. numbers: step_numbers(group), floats or device tensors."""
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
-        lr, momentum = group["lr"] * group["lr_scale"], group["momentum"]
-        buffers = []
+        buffers, steps = [], []
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                # a step count, as AdamW's state has (Adam's load_state_dict expects one in every state)
-                state["step"] = torch.zeros((), dtype=torch.float32)
-            state["step"] += 1
+                # a step count, as AdamW's state has (Adam's load_state_dict expects one in every state), where
+                # AdamW keeps it: on the device when fused or capturable (a captured step counts there), else the CPU
+                on_device = group["fused"] or group["capturable"]
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
             buffers.append(state["momentum_buffer"])
+            steps.append(state["step"])
+        torch._foreach_add_(steps, 1)
         grads = [p.grad for p in params]
-        torch._foreach_lerp_(buffers, grads, 1 - momentum)  # buf = momentum * buf + (1 - momentum) * grad
+        _lerp_(buffers, grads, numbers["1 - momentum"])  # buf = momentum * buf + (1 - momentum) * grad
         # grad + momentum * (buf - grad), in place on a copy: torch 2.11's FSDP (DTensor) has no out-of-place lerp
         nesterov = [g.clone() for g in grads]
-        torch._foreach_lerp_(nesterov, buffers, momentum)
+        _lerp_(nesterov, buffers, numbers["momentum"])
         for same in same_shape(params):
             updates = self._orthogonalize([nesterov[i] for i in same], group["ns_steps"])
             matrices = [params[i] for i in same]
-            torch._foreach_mul_(matrices, 1 - lr * group["weight_decay"])
-            # torch.optim.Muon's scaling: the update's RMS does not depend on the aspect ratio
-            rows, cols = matrices[0].shape
-            torch._foreach_add_(matrices, updates, alpha=-lr * math.sqrt(max(1.0, rows / cols)))
+            torch._foreach_mul_(matrices, numbers["decay"])
+            _add_scaled_(matrices, updates, numbers[tuple(matrices[0].shape)])
 
     def _orthogonalize(self, updates, ns_steps):
         """Newton-Schulz of each whole matrix of a list of same-shape ones, as one stack. Under FSDP2 a
@@ -185,6 +190,81 @@ def same_shape(params):
     for i, p in enumerate(params):
         groups.setdefault((p.shape, p.dtype, p.device, getattr(p, "placements", None)), []).append(i)
     return list(groups.values())
+
+
+def step_numbers(group):
+    """The numbers one step of a group computes with, from its floats (the schedule's lr and momentum) as Python
+    computes them: AdamW's rate ("lr", lr * lr_scale); Muon's weight-decay factor, its two lerp weights and, per
+    matrix shape (rows, cols), the update's scale. The eager step uses them as they are; a captured one reads them
+    from device tensors filled with them (DeviceNumbers), so both compute with the same numbers."""
+    lr = group["lr"] * group.get("lr_scale", 1.0)  # (torch.optim.AdamW's groups: no lr_scale)
+    if not group.get("use_muon"):
+        return {"lr": lr}
+    momentum = group["momentum"]
+    numbers = {"decay": 1 - lr * group["weight_decay"], "1 - momentum": 1 - momentum, "momentum": momentum}
+    for rows, cols in {tuple(p.shape) for p in group["params"]}:
+        # torch.optim.Muon's scaling: the update's RMS does not depend on the aspect ratio
+        numbers[(rows, cols)] = -lr * math.sqrt(max(1.0, rows / cols))
+    return numbers
+
+
+class DeviceNumbers:
+    """The step_numbers of every group of an optimizer as 0-d tensors on a device, for a step captured as a CUDA
+    graph: the graph reads them where it runs, and fill() writes each step's values into them, in place, before it
+    is replayed. Muon's in float32, what its kernels compute with for train.py's float32 weights (they round a
+    Python float to it: the same numbers). AdamW's lr in what torch's fused kernel reads of a tensor: a double on
+    the CPU (exact); on CUDA a float, though it computes with a Python float as a double: there the captured
+    step's rate is the schedule's rounded to float32, within 2^-24 (tests/test_cuda.py)."""
+
+    def __init__(self, optimizer, device):
+        self.optimizer = optimizer
+        lr_dtype = torch.float32 if torch.device(device).type == "cuda" else torch.float64
+        self.tensors = [{name: torch.zeros((), dtype=lr_dtype if name == "lr" else torch.float32, device=device)
+                         for name in step_numbers(group)} for group in optimizer.param_groups]
+
+    def fill(self):
+        """This step's numbers, from the groups' floats (set_schedule's), into the tensors."""
+        for group, tensors in zip(self.optimizer.param_groups, self.tensors):
+            for name, value in step_numbers(group).items():
+                tensors[name].fill_(value)
+
+    @contextmanager
+    def read(self, capturing=False):
+        """Within: the optimizer's step reads these tensors instead of its groups' floats (what a capture records,
+        so that every replay reads them); with capturing, torch's capturable flag too (AdamW checks it then).
+        After: the groups as they were, floats that checkpoints save and set_schedule sets."""
+        groups = self.optimizer.param_groups
+        saved = [(group["lr"], group["capturable"]) for group in groups]
+        if isinstance(self.optimizer, MuonAdamW):
+            self.optimizer.numbers = self.tensors
+        else:  # torch's AdamW: its step takes a tensor lr
+            for group, tensors in zip(groups, self.tensors):
+                group["lr"] = tensors["lr"]
+        for group in groups:
+            group["capturable"] = capturing
+        try:
+            yield
+        finally:
+            for group, (lr, capturable) in zip(groups, saved):
+                group["lr"], group["capturable"] = lr, capturable
+            if isinstance(self.optimizer, MuonAdamW):
+                self.optimizer.numbers = None
+
+
+def _lerp_(tensors, ends, weight):
+    """tensors += weight * (ends - tensors) (torch's lerp), by a float or by a 0-d tensor (a captured step's), whose
+    kernel computes the same formula (bit for bit: tests/test_step_graph.py on the CPU, tests/test_cuda.py)."""
+    torch._foreach_lerp_(tensors, ends, [weight.expand_as(t) for t in tensors] if torch.is_tensor(weight) else weight)
+
+
+def _add_scaled_(tensors, others, scale):
+    """tensors += scale * others: with a float, add's alpha; with a 0-d tensor (a captured step's), addcmul by it,
+    which rounds as add with that alpha does (each one multiply-add; bit for bit: tests/test_step_graph.py on the
+    CPU, tests/test_cuda.py)."""
+    if torch.is_tensor(scale):
+        torch._foreach_addcmul_(tensors, others, [scale.expand_as(t) for t in tensors])
+    else:
+        torch._foreach_add_(tensors, others, alpha=scale)
 
 
 def compiled_or_eager(fn):

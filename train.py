@@ -28,12 +28,13 @@ import machinery.torch_import  # noqa: F401  (first: torch imported with the col
 import numpy as np
 import torch
 
-from machinery import chat, checkpoint, configurator, conversations, convert, dataset, distributed, lora, meta, outdir
+from machinery import (chat, checkpoint, configurator, conversations, convert, dataset, distributed, lora, meta,
+                       outdir, step_graph)
 from machinery.configurator import setting
 from machinery.dataset import DATA_DIR
 from machinery.errors import UserError, first_line, run_main
 from machinery.hardware import (autocast, describe, device_setting, dtype_setting, enable_tf32, grad_scaler,
-                                peak_flops, pick_dtype)
+                                peak_flops, pick_device, pick_dtype)
 from machinery.metrics import Metrics
 from machinery.scoring import TrainingHellaSwag
 from model import GPT, GPTConfig
@@ -108,6 +109,8 @@ class TrainConfig:
     device: str = device_setting()
     dtype: str = dtype_setting()
     compile: Optional[bool] = setting(None, "torch.compile the model (None: on for CUDA)")
+    cuda_graph: Optional[bool] = setting(None, "run each training step as one captured CUDA graph (None: on for CUDA "
+                                               "in one process where it applies; machinery/step_graph.py)")
     parallel: str = setting("ddp", "under torchrun: ddp (replicate the model) or fsdp (shard it)")
     seed: int = setting(1337, "random seed")
 
@@ -148,6 +151,8 @@ class TrainConfig:
         except ValueError as e:
             raise UserError(str(e)) from None
         lora.LoRASettings.of(self)  # (one-line errors)
+        if self.cuda_graph and not (device := pick_device(self.device)).startswith("cuda"):
+            raise UserError(f"cuda_graph needs a CUDA device (--device=cuda); this run is on {device}")
         if self.init_from not in ("scratch", "resume"):
             convert.find_pretrained(self.init_from)  # GPT-2 weights: a clear error for a bad name or path
 
@@ -215,6 +220,7 @@ class Trainer:
         if ckpt:
             self._restore(ckpt)
         self.model = self._wrap(self.raw_model)
+        self.step_graph = step_graph.build(self)  # the step as one CUDA graph, where that applies (else None)
         # last, so that nothing after it can fail: out_dir is this run's until train() ends (or the process does)
         self.out_dir_lock = outdir.claim(cfg.out_dir) if self.world.is_master else None  # nothing written before
 
@@ -300,21 +306,34 @@ class Trainer:
     def optimizer_step(self, x, y):
         """One optimizer step: accum micro-batches on this rank, the first being (x, y); gradients are
         synchronised across ranks only on the last one. Returns the last micro-batch's loss (divided by
-        accum; on chat data the step's loss) and the next batch, fetched while the device works."""
-        guard_nan = not self.scaler.is_enabled()  # with fp16 the GradScaler skips bad steps instead
+        accum; on chat data the step's loss) and the next batch, fetched while the device works. With
+        cuda_graph, the same step replayed as one CUDA graph (machinery/step_graph.py)."""
+        if self.step_graph and self.step_graph.ready():
+            return self.step_graph.step(x, y)
         for micro_step in range(self.accum):
             last = micro_step == self.accum - 1
             with distributed.gradient_sync(self.model, self.raw_model, self.world, self.cfg.parallel, last):
-                with self.autocast:
-                    _, loss = self.model(x, y)
-                    # the mean over micro-steps (DDP averages over ranks); chat data: weighed by its targets
-                    loss = loss / self.accum if self.token_mean is None else self.token_mean.weigh(loss, y)
-                if guard_nan:  # numbered as the `iter N:` log line of this step
-                    bad = ~torch.isfinite(loss.detach())
-                    self.nonfinite_at = torch.where(bad & (self.nonfinite_at < 0), self.iter_num + 1,
-                                                    self.nonfinite_at)
-                x, y = self.next_batch()
-                self.scaler.scale(loss).backward()
+                loss = self.micro_step(x, y, self.iter_num + 1)
+            x, y = self.next_batch()
+        loss = self.update(loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, x, y
+
+    def micro_step(self, x, y, iteration):
+        """One micro-batch's forward and backward; returns its loss. A non-finite loss is marked on the device as
+        step `iteration` (an int, or a captured step's tensor), numbered as the `iter N:` log line of this step."""
+        with self.autocast:
+            _, loss = self.model(x, y)
+            # the mean over micro-steps (DDP averages over ranks); chat data: weighed by its targets
+            loss = loss / self.accum if self.token_mean is None else self.token_mean.weigh(loss, y)
+        if not self.scaler.is_enabled():  # with fp16 the GradScaler skips bad steps instead
+            bad = ~torch.isfinite(loss.detach())
+            self.nonfinite_at.copy_(torch.where(bad & (self.nonfinite_at < 0), iteration, self.nonfinite_at))
+        self.scaler.scale(loss).backward()
+        return loss
+
+    def update(self, loss):
+        """After the last micro-step: clip the gradients, step the optimizer; returns the step's loss."""
         if self.token_mean is not None:
             loss = self.token_mean.finish(self.raw_model)  # the gradients scaled to the step's mean, and its loss
         if self.cfg.grad_clip > 0:
@@ -322,8 +341,7 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss, x, y
+        return loss
 
     def log_iteration(self, loss, dt, lr, local_iter):
         self.check_finite()

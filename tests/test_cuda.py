@@ -1,7 +1,8 @@
 """What only a machine with a CUDA GPU shows (skipped elsewhere: CI is CPU-only; the decisions themselves are
 tested without a GPU in test_cuda_decisions.py): train.py on the GPU trains in bfloat16 autocast, a 1-process
-torchrun job joins over NCCL, trains and resumes exactly, and Muon's compiled, stacked Newton-Schulz is the
-iteration within bfloat16's rounding."""
+torchrun job joins over NCCL, trains and resumes exactly, Muon's compiled, stacked Newton-Schulz is the
+iteration within bfloat16's rounding, and the training step captured as one CUDA graph is the eager step bit for bit
+(where float32 holds the learning rates; else within a stated bound) and syncs nothing with the host."""
 
 import re
 
@@ -37,7 +38,8 @@ def test_train_py_trains_in_bfloat16_autocast_on_cuda(tmp_path, data_dir, tf32_o
         hook = qkv.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
         loss, _, _ = trainer.optimizer_step(*trainer.next_batch())
         hook.remove()
-        assert seen == [torch.bfloat16]  # the matrix products ran in bfloat16...
+        # the matrix products ran in bfloat16 (the step is a CUDA graph: its warm-up and capture ran it too)...
+        assert seen and set(seen) == {torch.bfloat16}
         assert qkv.weight.dtype == torch.float32 and qkv.weight.is_cuda  # ...on float32 weights, on the GPU
         assert torch.isfinite(loss).item()
     finally:
@@ -82,3 +84,66 @@ def test_the_compiled_stacked_newton_schulz_is_the_iteration_within_bfloat16_rou
     for got, x in zip(out.cpu(), m):
         expected = newton_schulz_by_hand(x, 5)
         assert ((got.double() - expected).norm() / expected.norm()).item() < (2 + 3 * 5) * 2 ** -8
+
+
+# float32's own numbers: the learning rates of every step (warmup 2^-10, 2^-9, 3 * 2^-10, then min_lr 2^-9) and
+# Muon's (x 8)
+EXACT_RATES = dict(learning_rate=2 ** -8, warmup_iters=3, lr_decay_iters=3, min_lr=2 ** -9, muon_lr=2 ** -5)
+
+
+def graphed_or_eager_steps(data_dir, out, graphed, n, **settings):
+    """n of train.py's steps on the GPU in float32 (TF32 off), eager or as the CUDA graph (each replay under
+    sync_debug_mode "error": a host sync would raise); the losses and copies of what training keeps."""
+    from machinery import checkpoint
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    args = tiny_train_args(data_dir, out, device="cuda", dtype="float32", gradient_accumulation_steps=2, dropout=0.1,
+                           grad_clip=0.1, muon_momentum_warmup=4, eval_at_start=False, cuda_graph=graphed, **settings)
+    trainer = train.Trainer(parse(train.TrainConfig, args))
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # (the Trainer turned them on)
+    losses = []
+    try:
+        # PyTorch's math attention: its backward is deterministic (the efficient kernel's need not be)
+        with sdpa_kernel(SDPBackend.MATH):
+            assert (trainer.step_graph is not None) == graphed and (not graphed or trainer.step_graph.ready())
+            x, y = trainer.next_batch()
+            for _ in range(n):
+                optimizers.set_schedule(trainer.optimizer, trainer.iter_num, trainer.cfg)
+                torch.cuda.set_sync_debug_mode("error" if graphed else "default")
+                try:
+                    loss, x, y = trainer.optimizer_step(x, y)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                trainer.iter_num += 1
+                losses.append(loss.detach().clone())
+        kept = {"model": trainer.raw_model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+                "rank": checkpoint.rank_state(trainer.train_sampler.state_dict())}
+        return torch.stack(losses).cpu(), torch.utils._pytree.tree_map(
+            lambda v: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v, kept)
+    finally:
+        trainer.out_dir_lock.release()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_the_cuda_graph_step_is_the_eager_step_bit_for_bit_and_syncs_nothing(tmp_path, data_dir, tf32_off, optimizer):
+    """The step captured as one CUDA graph (machinery/step_graph.py) against train.py's eager step: 5 steps of a
+    changing learning rate and Muon momentum, 2 micro-batches, dropout, clipping. Bit for bit where the learning
+    rates are float32 numbers. Other rates: torch's fused CUDA AdamW reads a tensor lr as a float but computes
+    with a Python float lr as a double, so the graphed step's AdamW rate is the schedule's rounded to float32
+    (relative error under 2^-24); each update then differs by under 2^-24 of itself, and a weight by an ulp where
+    that rounds it the other way, a few ulps after 5 steps: bounded at 1e-6 (weights of order 1 at most)."""
+    from test_resume import assert_same
+
+    for name, rates in (("exact", EXACT_RATES), ("other", dict(learning_rate=3e-3, warmup_iters=2, lr_decay_iters=6,
+                                                                 min_lr=3e-4))):
+        expected, eager = graphed_or_eager_steps(data_dir, tmp_path / f"eager_{name}", False, 5, optimizer=optimizer,
+                                                 **rates)
+        got, graphed = graphed_or_eager_steps(data_dir, tmp_path / f"graphed_{name}", True, 5, optimizer=optimizer,
+                                              **rates)
+        if name == "exact":
+            assert torch.equal(expected, got), (expected, got)
+            assert_same(eager, graphed, "state")
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+            for key, value in eager["model"].items():
+                assert (graphed["model"][key] - value).abs().max().item() <= 1e-6, key
