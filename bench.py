@@ -15,7 +15,8 @@ the same run, and whether the two paths produced the same tokens.
 
 mode=train: ms/iter and tokens/s (and MFU on GPUs) of train.py's own training step
 (Trainer.optimizer_step: forward, backward, gradient clipping, the optimizer) with its device, dtype,
-autocast and compile settings, on random tokens. With --nanogpt=PATH (nanoGPT's train.py, from a clone
+autocast, compile and CUDA-graph settings, on random tokens, timed as train.py runs it (no wait for the
+device between iterations but its log lines' every log_interval). With --nanogpt=PATH (nanoGPT's train.py, from a clone
 of its repository), then our train.py and nanoGPT's as whole processes with the same settings on the
 prepared dataset, warmup + repeats steps each: wall time, val loss, ms/iter, tokens/s and MFU side by
 side, and how far apart their losses are step by step. See benchmarks/runs.py.
@@ -54,12 +55,15 @@ markdown table. See benchmarks/chat.py.
     python bench.py --mode=chat [--chat_pretrain=task|text] [--chat_pretrain_iters=150] [--chat_sft_iters=400]
 
 mode=gpu: every goal of the GPU issues in one command that fits a GPU's few lent minutes (--budget_s): the CUDA
-tests, sample.py against transformers (bfloat16, float32), serve.py at 1 / 8 / 32 clients and at max_batch 1,
-Muon's step against AdamW's, GPT-2 124M's step and MFU, the GPU speedrun against nanoGPT's recipe; a PASS / FAIL
-line a goal, then the table for BENCHMARKS.md. With --device=cpu a small quick form that prints every line (the
-figures a CPU cannot take: not measured). See benchmarks/gpu.py.
+tests, sample.py against transformers (bfloat16, float32), the decoding levers side by side (decode_attention,
+compile) with the top kernels per decoded token, serve.py at 1 / 8 / 32 clients and at max_batch 1, Muon's step
+against AdamW's and GPT-2 124M's step and MFU as train.py runs them, the training levers side by side (cuda_graph,
+compile, the micro-batch) with the top kernels of a step, the GPU speedrun against nanoGPT's recipe; a PASS / FAIL
+line a goal, a row a lever, then the table for BENCHMARKS.md. --parts runs some of them. With --device=cpu a small
+quick form that prints every line (the figures a CPU cannot take: not measured). See benchmarks/gpu.py.
 
     python bench.py --mode=gpu                 # on the GPU machine (the wheels it lacks: see README)
+    python bench.py --mode=gpu --parts=tests,sample,decode,serve   # then --parts=train,speedrun
     python bench.py --mode=gpu --device=cpu    # the quick form, here
 
 mode=tokenizers: char, GPT-2 and BPEs learned at 4k-32k on a text (default: the Tang poems): characters and bytes a
@@ -94,8 +98,10 @@ import torch
 from benchmarks.chat import bench_chat
 from benchmarks.conversation import bench_conversation
 from benchmarks.faults import bench_faults
+from benchmarks.gpu import PARTS as GPU_PARTS
 from benchmarks.gpu import bench_gpu
 from benchmarks.prepare import bench_prepare
+from benchmarks.profile import kernel_table, top_kernels
 from benchmarks.runs import NANOGPT_RECIPES, bench_beside_nanogpt, bench_speedrun, check_nanogpt
 from benchmarks.serve import bench_serve
 from benchmarks.tokenizers import bench_tokenizers
@@ -153,6 +159,8 @@ class BenchConfig(TrainConfig):
     chat_pretrain_iters: int = setting(150, "mode=chat: steps of pretraining the base model")
     chat_sft_iters: int = setting(400, "mode=chat: steps of each finetuning on the conversations")
     chat_train: int = setting(4000, "mode=chat: training conversations generated")
+    parts: str = setting(",".join(GPU_PARTS), "mode=gpu: the parts to run, comma-separated (two commands where one "
+                                              "would not fit a lent GPU's time for a command)")
     budget_s: int = setting(480, "mode=gpu: seconds the command may take; its last part, the GPU speedrun pair "
                                  "(~300 s on an H100), runs only when that much is left")
     chat_heldout: int = setting(50, "mode=chat: held-out conversations generated (2 or 3 replies each)")
@@ -165,6 +173,8 @@ class BenchConfig(TrainConfig):
                              "tokenizers", "conversation"):
             raise UserError(f"mode must be sample, train, speedrun, prepare, serve, faults, chat, gpu, tokenizers or "
                             f"conversation, got {self.mode!r}")
+        if not set(self.parts.split(",")) <= set(GPU_PARTS):
+            raise UserError(f"parts must be some of {','.join(GPU_PARTS)} separated by commas, got {self.parts!r}")
         if self.flood < 0:
             raise UserError(f"flood must be 0 (no flood) or more prompts, got {self.flood}")
         if not all(c.strip().isdigit() and int(c) > 0 for c in self.clients.split(",")):
@@ -267,7 +277,7 @@ def bench_sample(cfg, workdir):
 
 def bench_train(cfg, workdir):
     """train.py's training step in this process; with cfg.nanogpt, then ours and nanoGPT's train.py side by side."""
-    seconds, _, _ = bench_step(cfg, workdir)
+    seconds = bench_step(cfg, workdir).seconds
     if cfg.nanogpt:
         bench_beside_nanogpt(cfg, workdir, TrainConfig)
     return seconds
@@ -275,32 +285,53 @@ def bench_train(cfg, workdir):
 
 def gpu_step(workdir):
     """mode=gpu's measurement of a training step: a function of bench.py's arguments (a config file and
-    --key=value settings) that runs mode=train's step there, (median seconds, tokens an iteration, MFU or None)."""
-    def step(argv):
+    --key=value settings) that runs mode=train's step there (StepFigures; profile: with its top kernels)."""
+    def step(argv, profile=False):
         cfg = configurator.parse(BenchConfig, argv)
         cfg.validate()
-        return bench_step(cfg, tempfile.mkdtemp(prefix="step-", dir=workdir))
+        return bench_step(cfg, tempfile.mkdtemp(prefix="step-", dir=workdir), profile)
     return step
 
 
-def bench_step(cfg, workdir):
+@dataclass
+class StepFigures:
+    """mode=train's figures of a training step: the median seconds of an iteration, its tokens, the MFU (None where
+    no peak is known), and with profile the top kernels of one more iteration (benchmarks/profile.py)."""
+
+    seconds: float
+    tokens: int
+    mfu: object
+    kernels: str = ""
+
+
+def bench_step(cfg, workdir, profile=False):
+    """train.py's optimizer step (Trainer.optimizer_step) timed as train.py runs it: the measured iterations back to
+    back, the host waiting for the device only where train.py does (reading the loss for a log line, every
+    log_interval iterations), each iteration's time read off the device's clock (StepClock). The warm-up iterations
+    (compilation, capture) each alone."""
     trainer = make_trainer(cfg, workdir, compile=cfg.compile)
     compiled = trainer.model is not trainer.raw_model
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-    print(describe(trainer) + f", compile {compiled}")
+    print(describe(trainer) + f", compile {compiled}, CUDA graph {trainer.step_graph is not None}")
     print(f"one iteration: {cfg.gradient_accumulation_steps} micro-steps x batch {cfg.batch_size} x "
-          f"{cfg.block_size} tokens = {tokens_per_iter:,} tokens; {cfg.warmup} warm-up + {cfg.repeats} measured")
+          f"{cfg.block_size} tokens = {tokens_per_iter:,} tokens; {cfg.warmup} warm-up + {cfg.repeats} measured, "
+          f"the loss read every {cfg.log_interval} (log_interval)")
     x, y = trainer.next_batch()
-    times = []
-    for i in range(cfg.warmup + cfg.repeats):
+    for i in range(cfg.warmup):
         sync(trainer.device)
         t0 = time.perf_counter()
         loss, x, y = trainer.optimizer_step(x, y)
-        loss.item()  # wait for the step to finish
-        dt = time.perf_counter() - t0
-        print(f"  {'warm-up' if i < cfg.warmup else f'iter {i - cfg.warmup + 1}':8} {dt * 1000:10.1f} ms", flush=True)
-        if i >= cfg.warmup:
-            times.append(dt)
+        loss.item()
+        print(f"  {'warm-up':8} {(time.perf_counter() - t0) * 1000:10.1f} ms", flush=True)
+    clock = StepClock(trainer.device)
+    for i in range(cfg.repeats):
+        loss, x, y = trainer.optimizer_step(x, y)
+        if (i + 1) % cfg.log_interval == 0:
+            loss.item()  # train.py's log line (the only wait for the device in its loop)
+        clock.mark()
+    times = clock.intervals()
+    for i, dt in enumerate(times):
+        print(f"  {f'iter {i + 1}':8} {dt * 1000:10.1f} ms", flush=True)
     flops = peak_flops(trainer.device)
     print(f"{'':8} {'ms/iter':>10} {'tokens/s':>12} {'MFU':>8}")
     mfus = {}
@@ -308,7 +339,48 @@ def bench_step(cfg, workdir):
         mfus[name] = trainer.raw_model.estimate_mfu(cfg.batch_size * cfg.gradient_accumulation_steps, dt, flops) \
             if flops else None
         print(f"{name:8} {dt * 1000:10.1f} {tokens_per_iter / dt:12,.0f} {f'{mfus[name]:.1%}' if flops else '-':>8}")
-    return statistics.median(times), tokens_per_iter, mfus["median"]
+    kernels = profiled_step(trainer, x, y) if profile else ""
+    return StepFigures(statistics.median(times), tokens_per_iter, mfus["median"], kernels)
+
+
+def profiled_step(trainer, x, y):
+    """The top kernels of one more iteration of trainer's step (benchmarks/profile.py's table)."""
+    def one():
+        loss, _, _ = trainer.optimizer_step(x, y)
+        loss.item()
+    kernels, total = top_kernels(one, 1, trainer.device)
+    return kernel_table("top kernels of one iteration", kernels, total, "iter")
+
+
+class StepClock:
+    """The times of consecutive iterations without making the host wait: on CUDA an event recorded after each
+    iteration's work is queued, read once the last is done (each interval is then the device's time from one
+    iteration's end to the next's: the rate train.py runs at, whether the device or the host is the slower); on
+    a CPU, whose operators run as they are called, the host's clock."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.device = device
+        sync(device)
+        self.marks = [self._now()]
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self):
+        self.marks.append(self._now())
+
+    def intervals(self):
+        """Seconds between consecutive marks (the first from the clock's start)."""
+        sync(self.device)
+        pairs = zip(self.marks, self.marks[1:])
+        if self.cuda:
+            return [start.elapsed_time(end) / 1000 for start, end in pairs]
+        return [end - start for start, end in pairs]
 
 
 def commands():

@@ -138,19 +138,57 @@ def test_sample_py_row_refuses_a_model_that_stops_early(tmp_path):
         bench_serve.sample_text(str(tmp_path), "cpu", "float32", 5)
 
 
+def clock_readings(monkeypatch, readings, module=bench):
+    """module's time.perf_counter replaced by one that returns readings in turn; returns those left unread."""
+    left = list(reversed(readings))
+    monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: left.pop()))
+    return left
+
+
 def test_train_mode_reads_a_training_config_file(capsys, monkeypatch):
-    steps = [8.0, 0.25, 1.0, 0.5]  # a warm-up, then 3 measured iterations
-    readings = fake_clock(monkeypatch, steps)
+    # a warm-up timed alone (8 s: two readings), then the measured iterations on one clock: marks after each
+    left = clock_readings(monkeypatch, [100.0, 108.0, 200.0, 200.25, 201.25, 201.75])
     median = bench.main([str(ROOT / "config/train_shakespeare_char.py"), "--mode=train", "--batch_size=2",
                          "--compile=False", *TINY])
     out = capsys.readouterr().out
-    assert len(readings) == 8 and median == 0.5  # the measured iterations' median (with the warm-up: 0.75)
+    assert left == [] and median == 0.5  # the measured iterations' median (with the warm-up: 0.75)
     assert "1 micro-steps x batch 2 x 16 tokens = 32 tokens" in out  # gradient_accumulation_steps from the file
+    assert "the loss read every 10 (log_interval)" in out  # (the file's log_interval)
     assert re.findall(r"^  (warm-up|iter \d) +(\S+) ms$", out, re.M) == \
         [("warm-up", "8000.0"), ("iter 1", "250.0"), ("iter 2", "1000.0"), ("iter 3", "500.0")]
     # ms/iter, and tokens/s = 32 tokens / seconds per iteration; no MFU on a CPU (no known peak)
     assert re.findall(r"^(median|min|max) +(\S+) +(\S+) +(\S+)$", out, re.M) == \
         [("median", "500.0", "64", "-"), ("min", "250.0", "128", "-"), ("max", "1000.0", "32", "-")]
+
+
+def test_train_mode_waits_for_the_device_only_where_train_py_does(monkeypatch):
+    """The measured iterations run back to back as in train.py's loop: the loss is read (the host waits for the
+    device) after every warm-up iteration, then only every log_interval iterations; so is nothing else."""
+    import train
+
+    reads, step = [], train.Trainer.optimizer_step
+
+    class Loss:
+        def __init__(self, loss):
+            self.loss = loss
+
+        def item(self):
+            reads.append(len(steps))
+            return self.loss.item()
+
+    def counted(self, x, y):
+        steps.append(1)
+        loss, x, y = step(self, x, y)
+        return Loss(loss), x, y
+
+    steps = []
+    monkeypatch.setattr(train.Trainer, "optimizer_step", counted)
+    monkeypatch.setattr(bench, "sync", lambda device: reads.append(("sync", len(steps))))
+    bench.main(["--mode=train", "--batch_size=2", "--compile=False", "--log_interval=3", "--vocab_size=65",
+                *TINY[:-2], "--warmup=2", "--repeats=7"])
+    # warm-ups: synced before, read after; then the clock's start (synced), reads at iterations 3 and 6 of the 7
+    # measured (steps 5 and 8 in all), the clock's end (synced)
+    assert reads == [("sync", 0), 1, ("sync", 1), 2, ("sync", 2), 5, 8, ("sync", 9)]
 
 
 @pytest.mark.parametrize("arg,message", [("--mode=fast", "mode must be sample, train, speedrun, prepare, "
@@ -160,6 +198,9 @@ def test_train_mode_reads_a_training_config_file(capsys, monkeypatch):
                                          ("--num_proc=-1", "num_proc must not be negative"),
                                          ("--corpus_mb=0", "corpus_mb must be positive"),
                                          ("--recipe=tpu", "recipe must be cpu or gpu, got 'tpu'"),
+                                         ("--parts=tests,bench", "parts must be some of tests,sample,decode,serve,"
+                                                                 "train,speedrun separated by commas, got "
+                                                                 "'tests,bench'"),
                                          ("--mode=serve", "prompt_lens must be numbers of tokens from 1 to "
                                                           "block_size .16. separated by commas, got '64,256")])
 def test_bad_settings_are_one_line_errors(arg, message):
@@ -533,8 +574,14 @@ def test_chat_mode_without_its_text_is_one_line(tmp_path):
     assert_one_error_line(proc, "--text_source", "none.txt")
 
 
-GPU_LINES = ["CUDA tests", "sample.py bfloat16, ", "sample.py float32, ", "serve.py ", "serve.py, one client",
-             "serve.py, 8 seeded requests", "Muon's step against AdamW's", "GPT-2 124M training step",
+GPU_LINES = ["CUDA tests", "sample.py bfloat16, ", "sample.py float32, ",
+             "decoding lever: decode_attention=full, compile=False", "decoding lever: decode_attention=flex, compile=False",
+             "decoding lever: decode_attention=full, compile=True", "decoding lever: decode_attention=flex, compile=True",
+             "serve.py ", "serve.py, one client", "serve.py, 8 seeded requests", "Muon's step against AdamW's",
+             "GPT-2 124M training step", "training lever: speedrun model, muon, cuda_graph=False",
+             "training lever: speedrun model, adamw, cuda_graph=False",
+             "training lever: speedrun model, muon, compile=False cuda_graph=True",
+             "training lever: GPT-2 124M, batch_size=2 gradient_accumulation_steps=2",
              "GPU speedrun against nanoGPT's recipe"]
 
 
@@ -553,23 +600,51 @@ def test_gpu_mode_runs_its_quick_form_on_a_cpu_and_prints_every_line(capsys, mon
     points = bench.main(["--mode=gpu", "--device=cpu"])
     out = capsys.readouterr().out
     assert len(points) == len(GPU_LINES) and all(p.name.startswith(n) for p, n in zip(points, GPU_LINES)), points
-    # on a CPU no goal is judged: every figure is "not measured" but the one that holds anywhere
-    assert [p.verdict for p in points] == ["not measured"] * 5 + ["PASS"] + ["not measured"] * 3, points
+    # on a CPU no goal is judged and no lever chooses: every figure is "not measured" but the one that holds anywhere
+    assert [p.verdict for p in points] == ["not measured"] * 9 + ["PASS"] + ["not measured"] * 7, points
     assert out.startswith("machine: no GPU: device cpu")
     table = re.findall(r"^\| (.+) \| (.+) \| (PASS|FAIL|not measured) \|$", out, re.M)
     assert [name for name, _, _ in table] == [p.name for p in points]
-    assert all(figure.endswith("(CPU quick form)") for _, figure, verdict in table[1:] if verdict != "PASS")
+    measured = [figure for name, figure, verdict in table[1:] if verdict != "PASS" and "compile=True" not in name
+                and "cuda_graph=True" not in name]
+    assert all(figure.endswith("(CPU quick form)") for figure in measured), measured
+    # each decoding lever's rates, each training lever's against its model's defaults
+    assert all(re.search(r"batch 1: [\d,]+ tokens/s; 4 rows: [\d,]+ tokens/s", p.figure) for p in points[3:5])
+    assert all(re.search(r"ms/iter; at the defaults [\d,.]+ \([\d.]+x\)", p.figure) for p in points[12:14] + points[15:16])
+    # the profile sections: the top operators per decoded token (batch 1 of each lever measured, 4 rows at the
+    # defaults) and of a training iteration of each model
+    titles = re.findall(r"^(top kernels per decoded token, .+|.+, top kernels of one iteration): [\d,.]+ µs a "
+                        r"(token|iter) in all$", out, re.M)
+    assert [t for t, _ in titles] == ["top kernels per decoded token, batch 1, float32, decode_attention=full, "
+                                      "compile=False",
+                                      "top kernels per decoded token, 4 rows, float32, decode_attention=full, "
+                                      "compile=False",
+                                      "top kernels per decoded token, batch 1, float32, decode_attention=flex, "
+                                      "compile=False",
+                                      "speedrun model, muon, top kernels of one iteration",
+                                      "GPT-2 124M, top kernels of one iteration"], titles
     assert [os.path.basename(args[0]) for args in calls["train.py"]] == ["speedrun_shakespeare_char_gpu.py",
                                                                          "train_shakespeare_char.py"]
     assert len(calls["sample.py"]) == 2  # the runs of SAMPLE_FEW and SAMPLE_FEW + n tokens
 
 
-def test_gpu_mode_judges_a_gpus_figures_by_the_goals_and_a_failed_part_does_not_stop_the_rest(monkeypatch, capsys):
-    # a GPU stood in for: each part's figures made up, the verdicts by the goals (1,000 tokens/s and 6x
-    # transformers; 10,000 and 800 tokens/s); a part that raises is one FAIL line; no time left: no speedrun
+def test_gpu_mode_runs_the_parts_asked_for(capsys, monkeypatch):
     from benchmarks import gpu
 
-    rates = {"bfloat16": 1200.0, "float32": 600.0}
+    ran = []
+    for name in ("cuda_tests", "decoding", "decode_levers", "serving", "training_steps", "speedrun"):
+        monkeypatch.setattr(gpu, name, lambda *args, name=name: ran.append(name) or [])
+    monkeypatch.setattr(gpu.serve, "gpt2_shaped", lambda cfg, directory: None)
+    bench.main(["--mode=gpu", "--device=cpu", "--parts=train,tests"])
+    assert ran == ["cuda_tests", "training_steps"]  # in the report's order, whatever the order asked
+
+
+def test_gpu_mode_judges_a_gpus_figures_by_the_goals_and_a_failed_part_does_not_stop_the_rest(monkeypatch, capsys):
+    # a GPU stood in for: each part's figures made up, the verdicts by the goals (2,000 tokens/s; 15,000 and 6,000
+    # tokens/s at 32 and 8 clients, 1,500 for one); a part that raises is one FAIL line; no time left: no speedrun
+    from benchmarks import gpu
+
+    rates = {"bfloat16": 1900.0, "float32": 600.0}
     monkeypatch.setattr(gpu, "pick_device", lambda device: "cuda")
     monkeypatch.setattr(gpu, "pick_dtype", lambda dtype, device: "bfloat16")  # (an H100's auto)
     monkeypatch.setattr(gpu, "machine", lambda device: "machine: a stand-in GPU")
@@ -579,25 +654,31 @@ def test_gpu_mode_judges_a_gpus_figures_by_the_goals_and_a_failed_part_does_not_
     monkeypatch.setattr(gpu.serve, "sample_command", lambda hf_dir, device, dtype, n, repeats: (rates[dtype], "text"))
     monkeypatch.setattr(gpu.serve, "transformers_greedy", lambda hf_dir, device, dtype, prompt, n: dtype)
     monkeypatch.setattr(gpu, "timings", lambda run, repeats: [500 / {"bfloat16": 250, "float32": 100}[run]] * 3)
+    monkeypatch.setattr(gpu, "decode_levers", lambda hf_dir, on_gpu, size: [gpu.lever("decoding lever: one",
+                                                                                      "2,500 tokens/s", on_gpu)])
     monkeypatch.setattr(gpu.serve, "server", lambda *args: contextlib.nullcontext(args[3:]))
+    clients = {1: 1600.0, 8: 6000.0, 32: 14000.0}
     monkeypatch.setattr(gpu.serve, "stream_rate",
-                        lambda url, clients, tokens: ({1: 900.0, 8: 5000.0, 32: 9000.0}[clients] if not url else
-                                                      700.0, [], []))
+                        lambda url, n, tokens: (clients[n] if not url else 700.0, [], []))
     monkeypatch.setattr(gpu.serve, "seeded_same", lambda url, tokens: (4000.0, 900.0, True))
     monkeypatch.setattr(gpu, "training_steps", lambda on_gpu, size, step: 1 / 0)
     points = bench.main(["--mode=gpu", "--budget_s=100"])
     verdicts = [(p.name.split(",")[0].split(" (")[0], p.verdict) for p in points]
     assert verdicts == [("CUDA tests", "PASS"),
-                        ("sample.py bfloat16", "FAIL"),  # 1,200 tokens/s but 4.8x transformers' 250
+                        ("sample.py bfloat16", "FAIL"),  # 1,900 tokens/s
                         ("sample.py float32", "PASS"),
-                        ("serve.py bfloat16", "FAIL"),  # 9,000 at 32 clients
-                        ("serve.py", "PASS"),  # one client: 900 (700 at max_batch 1)
+                        ("decoding lever: one", "lever"),  # a lever's row: judged by no goal
+                        ("serve.py bfloat16", "FAIL"),  # 14,000 at 32 clients
+                        ("serve.py", "PASS"),  # one client: 1,600 (700 at max_batch 1)
                         ("serve.py", "PASS"),  # seeded: the same
-                        ("training steps", "FAIL"),  # the part that raised
+                        ("train", "FAIL"),  # the part that raised
                         ("GPU speedrun against nanoGPT's recipe", "not measured")]  # 100 s budget
-    assert "ZeroDivisionError" in points[6].figure and "900 at max_batch 32, 700 at max_batch 1" in points[4].figure
-    rates["bfloat16"] = 1500.0  # 6x transformers' 250
-    assert bench.main(["--mode=gpu", "--budget_s=100"])[1].verdict == "PASS"
+    assert "ZeroDivisionError" in points[7].figure and "1,600 at max_batch 32, 700 at max_batch 1" in points[5].figure
+    rates["bfloat16"], clients[32] = 2000.0, 15000.0
+    judged = bench.main(["--mode=gpu", "--budget_s=100"])
+    assert judged[1].verdict == judged[4].verdict == "PASS"
+    clients[8] = 5999.0
+    assert bench.main(["--mode=gpu", "--budget_s=100"])[4].verdict == "FAIL"
     assert "| sample.py bfloat16" in capsys.readouterr().out
 
 
