@@ -115,7 +115,8 @@ def main(argv=None):
     print(describe(loaded.device, loaded.dtype), file=sys.stderr)  # (stdout is the samples' alone)
     runner = engine.Engine(model, tokenizer, loaded.device, max_batch=rows,
                            use_cache=cfg.use_cache, compile=cfg.compile, prefix_cache_mb=cfg.prefix_cache_mb,
-                           calibration=CalibrationCache(), decode_attention=cfg.decode_attention)
+                           calibration=CalibrationCache(), decode_attention=cfg.decode_attention,
+                           ahead=cfg.decode_ahead)
     if cfg.chat:
         talk.converse(cfg, runner, tokenizer)
     else:

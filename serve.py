@@ -86,7 +86,7 @@ def build(cfg):
     runner = engine.Engine(model, loaded.tokenizer, loaded.device, cfg.max_batch, cfg.max_waiting,
                            prefill_chunk=cfg.prefill_chunk, stall_timeout=cfg.stream_timeout, compile=cfg.compile,
                            prefix_cache_mb=cfg.prefix_cache_mb, calibration=CalibrationCache(),
-                           decode_attention=cfg.decode_attention)
+                           decode_attention=cfg.decode_attention, ahead=cfg.decode_ahead)
     limits = openai_api.Limits(cfg.max_tokens, cfg.max_n, cfg.max_body)
     server = openai_api.Server(runner, loaded.tokenizer, cfg.served_name, limits, cfg.api_key, loaded.data_meta.chat)
     return server, loaded

@@ -11,7 +11,7 @@ rest still runs), `--parts` choosing some of them (two commands where one would 
   sample    batch-1 greedy decoding of the GPT-2 124M shape through sample.py, whole processes (bfloat16 and
             float32), against transformers' generate in the same dtype; a failed CUDA-graph capture is an error,
             not an eager figure (benchmarks.serve.sample_command);
-  decode    the decoding levers in this process, a row each: decode_attention (full, flex) and compile, batch 1
+  decode    the decoding levers in this process, a row each: decode_attention (full, flex), decode_ahead, compile; batch 1
             (sample.py's engine) and 32 rows (serve.py's step), with the KV bytes a token reads; then the top
             kernels per decoded token of each (benchmarks/profile.py);
   serve     serve.py at 1 / 8 / 32 streaming clients, seeded requests the same at once as alone, and one client at
@@ -47,7 +47,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_cuda_decoding.py", "tests/test_cuda_decisions.py"]
 PARTS = ("tests", "sample", "decode", "serve", "train", "speedrun")
 SPEEDRUN_SECONDS = 300  # a GPU speedrun pair (121.5 + 142.9 s on an H100 at 9a9f78c) and its start-ups
-DECODE_LEVERS = [("full", False), ("flex", False), ("full", True), ("flex", True)]  # (decode_attention, compile)
+# (decode_attention, compile, decode_ahead): the first is the engine before issue 57; the quick form leaves compile out
+DECODE_LEVERS = [("full", False, False), ("full", False, True), ("flex", False, True), ("full", True, True),
+                 ("flex", True, True)]
 
 
 @dataclass
@@ -91,7 +93,7 @@ def sizes(gpu):
                 train=dict(warmup=1, repeats=3), lever_train=dict(warmup=1, repeats=2), small=small,
                 micro_batch=["--batch_size=2", "--gradient_accumulation_steps=2"],
                 dtypes=("float32",), lone_server=False,
-                decode=dict(levers=[lv for lv in DECODE_LEVERS if not lv[1]], rows=4, steps=4),
+                decode=dict(levers=[lever for lever in DECODE_LEVERS if not lever[1]], rows=4, steps=4),
                 quick=[*small, "--max_iters=10", "--lr_decay_iters=10", "--eval_iters=2", "--eval_interval=10",
                        "--device=cpu"])
 
@@ -143,35 +145,37 @@ def decoding(cfg, hf_dir, gpu, size):
 
 
 def decode_levers(hf_dir, gpu, size):
-    """The decoding levers side by side in this process, a row each (decode_attention, compile): the engine's
+    """The decoding levers side by side in this process, a row each (decode_attention, compile, decode_ahead): the
+    engine's
     decoding rate at batch 1 (sample.py's) and at 32 rows (serve.py's step), prompts encoded first and not timed;
     then the top kernels per decoded token at batch 1 of each lever, and of a 32-row step at the defaults. The
     engine runs its fixed step here on a CPU too (the CUDA way), so the quick form runs what a GPU would."""
     device, dtype, sized = size["device"], pick_dtype("auto", size["device"]), size["decode"]
     points, tables = [], []
-    for attention, compiled in DECODE_LEVERS:
-        name = f"decoding lever: decode_attention={attention}, compile={compiled}"
-        if (attention, compiled) not in sized["levers"]:
+    for attention, compiled, ahead in DECODE_LEVERS:
+        name = f"decoding lever: decode_attention={attention}, compile={compiled}, decode_ahead={ahead}"
+        if (attention, compiled, ahead) not in sized["levers"]:
             points.append(Point(name, "the quick form does not compile (minutes on a CPU)", "not measured"))
             continue
-        one = decode_engine(hf_dir, device, dtype, 1, attention, compiled)
-        many = decode_engine(hf_dir, device, dtype, sized["rows"], attention, compiled)
+        one = decode_engine(hf_dir, device, dtype, 1, attention, compiled, ahead)
+        many = decode_engine(hf_dir, device, dtype, sized["rows"], attention, compiled, ahead)
         rate_one, rate_many = decode_rate(one, 1, sized["steps"]), decode_rate(many, sized["rows"], sized["steps"])
         points.append(lever(name, f"batch 1: {rate_one:,.0f} tokens/s; {sized['rows']} rows: {rate_many:,.0f} "
                                   f"tokens/s", gpu))
         tables.append(decode_profile(one, 1, sized["steps"], f"batch 1, {dtype}, {name.split(': ')[1]}"))
-        if (attention, compiled) == DECODE_LEVERS[0]:
+        if (attention, compiled, ahead) == DECODE_LEVERS[0]:
             tables.append(decode_profile(many, sized["rows"], sized["steps"],
                                          f"{sized['rows']} rows, {dtype}, {name.split(': ')[1]}"))
     print("\n".join(tables), flush=True)
     return points
 
 
-def decode_engine(hf_dir, device, dtype, rows, attention, compile):
+def decode_engine(hf_dir, device, dtype, rows, attention, compile, ahead):
     """The engine of serve.py (sample.py: rows=1) on the model in hf_dir, decoding in its fixed step."""
     loaded = loading.load(loading.ModelSource(init_from=hf_dir), device, dtype)
     return engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype, compile), loaded.tokenizer,
-                         loaded.device, max_batch=rows, fixed=True, compile=compile, decode_attention=attention)
+                         loaded.device, max_batch=rows, fixed=True, compile=compile, decode_attention=attention,
+                         ahead=ahead)
 
 
 def decoding_rows(runner, rows, steps, seed=0):

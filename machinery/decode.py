@@ -183,7 +183,8 @@ class FixedStep:
         self._run = self._compiled()
 
     def __call__(self, idx, pos):
-        """Run the step on tokens idx (rows, 1) at positions pos (rows,), both on the CPU."""
+        """Run the step on tokens idx (rows, 1) at positions pos (rows,), on the device (or the CPU: copied from
+        pageable memory, the host then waits for the device's queue)."""
         self.idx.copy_(idx, non_blocking=True)
         self.fixed.pos.copy_(pos, non_blocking=True)
         if not self.started:

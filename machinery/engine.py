@@ -14,7 +14,10 @@ prompt is encoded alone, in chunks of a fixed size; its sampling draws from its 
 either (on the CPU) attends row by row over exactly each row's positions with oneDNN's prepacked matrix
 products (PackedLinear), whose result for one row does not depend on the number of rows (on a CPU with AMX,
 decoding's products by our own kernel, each row summed alone: KernelLinear), or (on CUDA:
-fixed) runs every row of the cache in shapes that never change, as one CUDA graph (machinery/decode.py).
+fixed) runs every row of the cache in shapes that never change, as one CUDA graph (machinery/decode.py). There
+each step is launched before the host reads the tokens of the one before (ahead: the tokens go from one step to the
+next on the device), so the host's reading, streaming and stop texts overlap the device's work; a token drawn past a
+request's end is discarded.
 
 With a prefix cache (prefix_cache_mb; machinery/prefix_cache.py), a prompt's whole chunks are kept, and a
 request that begins with them (the next turn of a conversation, a shared system prompt, the other choices of
@@ -58,7 +61,7 @@ from machinery import bf16_rows, decode, hardware, hugepages
 from machinery import quantize as quantization
 from machinery.calibration_cache import layer_key
 from machinery.decode_attention import check as check_attention
-from machinery.errors import first_line
+from machinery.errors import UserError, first_line
 from machinery.prefix_cache import PrefixCache
 from model import Block, attention_backends, sample_next
 
@@ -519,6 +522,8 @@ class Engine:
     for every token, as nanoGPT does (the same tokens, slower); fixed: decode every row of the cache at every
     step, in shapes that never change (machinery/decode.py; None: on CUDA, where it runs as a CUDA graph);
     decode_attention: how the fixed step's rows attend (machinery/decode_attention.py: full or flex; flex needs fixed);
+    ahead: launch each fixed step before the host reads the tokens of the one before (None: wherever fixed; see
+    _land), so that the host's work (reading, streaming, stop texts) overlaps the device's next step;
     compile: torch.compile the fixed step (static shapes: one graph), else the model in place (dynamic shapes);
     prefix_cache_mb: the prefix cache's budget (machinery/prefix_cache.py; 0: none), which also keeps the rows of
     paused generations, and of rows that have run a quantum, while waiting requests take their slots;
@@ -526,7 +531,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, device="cpu", max_batch=32, max_waiting=256, use_cache=True,
                  prefill_chunk=64, stall_timeout=60.0, fixed=None, compile=False, prefix_cache_mb=0,
-                 calibration=None, decode_attention="full"):
+                 calibration=None, decode_attention="full", ahead=None):
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.vocab = tokenizer.vocab_size  # the tokenizer's ids: a padded vocabulary's extra rows are never drawn
         self.block_size = model.config.block_size
@@ -535,6 +540,11 @@ class Engine:
         self.slots = decode.Slots(model.config, max_batch, decode.cache_dtype(model, self.device, self.fixed, compile),
                                   self.device, self.fixed, decode_attention)
         self.fixed_step = decode.FixedStep(model, self.slots, compile, decode_attention) if self.fixed else None
+        self.ahead = self.fixed if ahead is None else ahead  # launch a fixed step before reading the last's tokens
+        if self.ahead and not self.fixed:
+            raise UserError("decode_ahead applies to CUDA's fixed decoding step only (this device decodes row by row); "
+                            "use --device=cuda or leave it out")
+        self.flight = None  # a fixed step launched, its tokens not read yet (Flight)
         if compile and not self.fixed:
             model.compile(dynamic=True)  # in place: the engine's calls to the model run compiled
         self.max_batch, self.max_waiting, self.use_cache = max_batch, max_waiting, use_cache
@@ -655,12 +665,17 @@ class Engine:
     @torch.inference_mode()
     def step(self):
         """One step: admit waiting requests; one token for every running row that has one to feed; then a chunk
-        of the waiting prompts (one chunk while rows are decoding, one for each prompt when none is)."""
+        of the waiting prompts (one chunk while rows are decoding, one for each prompt when none is). With a fixed
+        step in flight (ahead), the step is its landing instead (_land)."""
+        if self.flight is not None:
+            with attention_backends(self.device):
+                self._land(self.flight)
+            return
         ready = [g for g in self._admit() if not g.done and not g.paused]
         decoding = [g for g in ready if len(g.todo) == 1]
         with attention_backends(self.device):
             for i in range(0, len(decoding), self.pass_rows):
-                self._feed(decoding[i:i + self.pass_rows], 1)
+                self._decode(decoding[i:i + self.pass_rows])
             prompts = self._prompts([g for g in ready if len(g.todo) > 1 and not g.done])
             for g in prompts[:1] if decoding else prompts:
                 self._feed([g], min(len(g.todo), self.prefill_chunk))
@@ -856,18 +871,86 @@ class Engine:
         rows taken out of its logits)."""
         self.passes += 1
         if self.fixed and n == 1:
-            idx, pos = torch.zeros(self.slots.rows, 1, dtype=torch.long), torch.zeros(self.slots.rows, dtype=torch.long)
-            for g in self.rows:  # (a row not decoding writes at its next position, which it writes again later)
-                pos[g.slot] = min(g.length, self.slots.length - 1)
-            for g in rows:
-                idx[g.slot, 0] = g.todo[0]
-            logits = self.fixed_step(idx, pos).index_select(0, to_device([g.slot for g in rows], self.device))
+            logits = self._fixed_logits(rows, [g.todo[0] for g in rows])
         else:
             idx = torch.tensor([g.todo[:n] for g in rows], device=self.device)
             every = any(g.request.echo and g.echoed < g.prompt_tokens for g in rows)
             logits, _ = self.model(idx, kv_cache=decode.Rows(self.slots, [(g.slot, g.length) for g in rows]),
                                    every_position=every)
         return logits[:, :, :self.vocab].float()
+
+    def _fixed_logits(self, rows, tokens):
+        """The fixed step's logits (B, 1, V) for rows, each fed one token: tokens, host ids or a device tensor (the
+        tokens a step before drew, in rows' order: they never come to the host first). Every input is copied from
+        pinned memory (to_device), so the host never waits for the device's queue here."""
+        pos = torch.zeros(self.slots.rows, dtype=torch.long)
+        for g in self.rows:  # (a row not decoding writes at its next position, which it writes again later)
+            pos[g.slot] = min(g.length, self.slots.length - 1)
+        index = to_device([g.slot for g in rows], self.device)
+        if torch.is_tensor(tokens):
+            idx = torch.zeros(self.slots.rows, 1, dtype=torch.long, device=self.device)
+            idx[index, 0] = tokens
+        else:
+            idx = torch.zeros(self.slots.rows, 1, dtype=torch.long)
+            idx[[g.slot for g in rows], 0] = torch.tensor(tokens, dtype=torch.long)
+            idx = to_device(idx, self.device)
+        return self.fixed_step(idx, to_device(pos, self.device)).index_select(0, index)
+
+    def _decode(self, rows):
+        """One token for each of rows, which decode: the plain pass (_feed), or with ahead the fixed step launched
+        and landed (_land: the next one may be launched before its tokens are read). A launch that fails runs the
+        plain pass instead, whose failures end only the rows that fail alone."""
+        if not self.ahead:
+            self._feed(rows, 1)
+            return
+        try:
+            flight = self._launch(rows, [g.todo[0] for g in rows])
+        except Exception:
+            self._feed(rows, 1)
+            return
+        self._land(flight)
+
+    def _launch(self, rows, tokens):
+        """The fixed step for rows (each fed one of tokens: see _fixed_logits) and each row's next token drawn on
+        the device, booked (_took) once both are queued: a Flight, its tokens on their way to the host."""
+        self.passes += 1
+        logits = self._fixed_logits(rows, tokens)[:, -1, :self.vocab].float()
+        drawn = draw(rows, logits)
+        for g in rows:
+            self._took(g, 1, None)
+        return Flight(rows, drawn, logits)
+
+    def _land(self, flight):
+        """Read flight's tokens and take them, after launching the next step where the batch is steady (_steady): fed
+        the tokens still on the device, it runs while the host reads, streams and looks for stop texts. A row that
+        ends at one of them (a stop text or token) was fed it all the same: the next step's token for it is then
+        discarded when that lands (its generator drew one number more, which no token of it ever uses). The next
+        step stays in flight (self.flight) until the next call of step()."""
+        self.flight = None
+        live = [i for i, g in enumerate(flight.rows) if not g.done]  # (ended at the token before: discarded)
+        if live and self._steady([flight.rows[i] for i in live]):
+            tokens = flight.tokens if len(live) == len(flight.rows) else \
+                flight.tokens.index_select(0, to_device(live, self.device))
+            try:
+                self.flight = self._launch([flight.rows[i] for i in live], tokens)
+            except Exception:
+                self.flight = None  # (the plain pass runs them at the next step)
+        for g, token, logits in zip(flight.rows, flight.read(), flight.logits):
+            if g.done:
+                continue
+            try:
+                self._emit(g, token, logits, fed=self.flight is not None)
+            except Exception as e:
+                self._fail(g, e)
+
+    def _steady(self, rows):
+        """Whether the next fixed step may be launched before rows' tokens (their step's) are read: every running row
+        is one of them (no prompt to encode, none paused, no request waiting or parked: those need a step of their
+        own first) and none changes course at that token but by ending (a stop text or token, max_tokens: its next
+        token is then discarded): none at block_size (its window is encoded again) or cancelled."""
+        if self.waiting or self.parked or len(rows) != sum(not g.done for g in self.rows):
+            return False
+        return self.use_cache and all(not g.cancelled and not g.paused and g.length < self.block_size for g in rows)
 
     def _took(self, g, n, logits):
         """Book n tokens fed to g with their logits (n or 1, V): echo the prompt's; whether g samples next."""
@@ -918,8 +1001,9 @@ class Engine:
             except Exception as e:
                 self._fail(g, e)
 
-    def _emit(self, g, token, logits):
-        """Take g's new token: its event (with its log-probabilities when asked), and the end of g when done."""
+    def _emit(self, g, token, logits, fed=False):
+        """Take g's new token: its event (with its log-probabilities when asked), and the end of g when done. fed: the
+        token is in the model already (a step launched ahead: _land), so there is nothing left to feed."""
         request = g.request
         event = Token(token, g.text.add(token))
         if request.logprobs is not None:
@@ -927,8 +1011,8 @@ class Engine:
         g.completion_tokens += 1
         g.run_tokens += 1
         g.ids.append(token)
-        g.todo = [token]
-        if not self.use_cache or g.length >= self.block_size:
+        g.todo = [] if fed else [token]
+        if not fed and (not self.use_cache or g.length >= self.block_size):  # (fed: _steady saw room for it)
             g.length, g.todo = 0, g.ids[-self.block_size:]  # the window encoded again: no cache, or it slid
         if g.text.done:
             event.finish_reason = "stop"
@@ -967,6 +1051,26 @@ def draw(rows, logits):
         index = to_device(members, logits.device)
         tokens[index] = sample_next(logits[index], temperature, top_k, top_p, u=u)
     return tokens
+
+
+class Flight:
+    """A fixed step launched and not yet read: its rows, their logits (float32, their own copy: the next step's
+    graph overwrites its output) and the tokens drawn from them on the device, on their way to the host into pinned
+    memory (read() waits for them alone, not for a step launched after)."""
+
+    def __init__(self, rows, tokens, logits):
+        self.rows, self.tokens, self.logits = rows, tokens, logits
+        self.host, self.done = tokens, None
+        if tokens.is_cuda:
+            self.host = tokens.to("cpu", non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def read(self):
+        """The rows' tokens as ints (the host's one wait of a step)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
 
 
 def to_device(values, device):

@@ -10,6 +10,7 @@ eval.py, export.py, serve.py) and loading it.
     --quantize=int8                                         int8 weights for decoding on the CPU (quantize.py)
     --decode_attention=full|flex                            how CUDA's decoding step attends (sample.py, serve.py:
                                                             decode_attention.py)
+    --decode_ahead                                          CUDA's decoding steps launched one ahead of the host
 
 load() returns a Loaded: the model in eval mode on its device, its tokenizer and dataset metadata, and the
 precision to run it in.
@@ -74,10 +75,18 @@ class EngineSource(RunSource):
                                             "cannot run, said once). The CPU decodes row by row, each row over its "
                                             "own positions: flex does not apply there (refused)")
 
+    decode_ahead: Optional[bool] = setting(None, "launch each step of CUDA's fixed decoding before reading the tokens "
+                                                 "of the one before, so that reading, streaming and stop texts "
+                                                 "overlap the GPU's next step (None: on where the fixed step runs; "
+                                                 "False: each step's tokens read before the next is launched)")
+
     def validate(self):
         super().validate()
         device = self.device.split(":")[0]  # (auto: the engine checks, once it is picked)
         decode_attention.check(self.decode_attention, fixed=device in ("cuda", "auto"))
+        if self.decode_ahead and device not in ("cuda", "auto"):
+            raise UserError("decode_ahead applies to CUDA's fixed decoding step only (this device decodes row by "
+                            "row); use --device=cuda or leave it out")
 
 
 @dataclass

@@ -574,10 +574,11 @@ def test_chat_mode_without_its_text_is_one_line(tmp_path):
     assert_one_error_line(proc, "--text_source", "none.txt")
 
 
-GPU_LINES = ["CUDA tests", "sample.py bfloat16, ", "sample.py float32, ",
-             "decoding lever: decode_attention=full, compile=False", "decoding lever: decode_attention=flex, compile=False",
-             "decoding lever: decode_attention=full, compile=True", "decoding lever: decode_attention=flex, compile=True",
-             "serve.py ", "serve.py, one client", "serve.py, 8 seeded requests", "Muon's step against AdamW's",
+DECODE_LEVERS = [f"decoding lever: decode_attention={a}, compile={c}, decode_ahead={d}"
+                 for a, c, d in (("full", False, False), ("full", False, True), ("flex", False, True),
+                                 ("full", True, True), ("flex", True, True))]
+GPU_LINES = ["CUDA tests", "sample.py bfloat16, ", "sample.py float32, ", *DECODE_LEVERS, "serve.py ",
+             "serve.py, one client", "serve.py, 8 seeded requests", "Muon's step against AdamW's",
              "GPT-2 124M training step", "training lever: speedrun model, muon, cuda_graph=False",
              "training lever: speedrun model, adamw, cuda_graph=False",
              "training lever: speedrun model, muon, compile=False cuda_graph=True",
@@ -601,7 +602,7 @@ def test_gpu_mode_runs_its_quick_form_on_a_cpu_and_prints_every_line(capsys, mon
     out = capsys.readouterr().out
     assert len(points) == len(GPU_LINES) and all(p.name.startswith(n) for p, n in zip(points, GPU_LINES)), points
     # on a CPU no goal is judged and no lever chooses: every figure is "not measured" but the one that holds anywhere
-    assert [p.verdict for p in points] == ["not measured"] * 9 + ["PASS"] + ["not measured"] * 7, points
+    assert [p.verdict for p in points] == ["not measured"] * 10 + ["PASS"] + ["not measured"] * 7, points
     assert out.startswith("machine: no GPU: device cpu")
     table = re.findall(r"^\| (.+) \| (.+) \| (PASS|FAIL|not measured) \|$", out, re.M)
     assert [name for name, _, _ in table] == [p.name for p in points]
@@ -609,18 +610,17 @@ def test_gpu_mode_runs_its_quick_form_on_a_cpu_and_prints_every_line(capsys, mon
                 and "cuda_graph=True" not in name]
     assert all(figure.endswith("(CPU quick form)") for figure in measured), measured
     # each decoding lever's rates, each training lever's against its model's defaults
-    assert all(re.search(r"batch 1: [\d,]+ tokens/s; 4 rows: [\d,]+ tokens/s", p.figure) for p in points[3:5])
-    assert all(re.search(r"ms/iter; at the defaults [\d,.]+ \([\d.]+x\)", p.figure) for p in points[12:14] + points[15:16])
+    assert all(re.search(r"batch 1: [\d,]+ tokens/s; 4 rows: [\d,]+ tokens/s", p.figure) for p in points[3:6])
+    assert all(re.search(r"ms/iter; at the defaults [\d,.]+ \([\d.]+x\)", p.figure) for p in points[13:15] + points[16:17])
     # the profile sections: the top operators per decoded token (batch 1 of each lever measured, 4 rows at the
     # defaults) and of a training iteration of each model
     titles = re.findall(r"^(top kernels per decoded token, .+|.+, top kernels of one iteration): [\d,.]+ µs a "
                         r"(token|iter) in all$", out, re.M)
-    assert [t for t, _ in titles] == ["top kernels per decoded token, batch 1, float32, decode_attention=full, "
-                                      "compile=False",
-                                      "top kernels per decoded token, 4 rows, float32, decode_attention=full, "
-                                      "compile=False",
-                                      "top kernels per decoded token, batch 1, float32, decode_attention=flex, "
-                                      "compile=False",
+    assert [t for t, _ in titles] == ["top kernels per decoded token, " + title.replace("decoding lever: ", "")
+                                      for title in (f"batch 1, float32, {DECODE_LEVERS[0]}",
+                                                    f"4 rows, float32, {DECODE_LEVERS[0]}",
+                                                    f"batch 1, float32, {DECODE_LEVERS[1]}",
+                                                    f"batch 1, float32, {DECODE_LEVERS[2]}")] + [
                                       "speedrun model, muon, top kernels of one iteration",
                                       "GPT-2 124M, top kernels of one iteration"], titles
     assert [os.path.basename(args[0]) for args in calls["train.py"]] == ["speedrun_shakespeare_char_gpu.py",

@@ -429,7 +429,9 @@ def test_a_captured_step_reads_its_inputs_from_the_buffers_it_was_captured_on(mo
         step.graph = types.SimpleNamespace(replay=replay)
     monkeypatch.setattr(step, "_capture", capture)
     assert fixed_greedy(runner, capture=True) == expected
-    assert len(replays) == 2 * 11  # every decoding step but each request's first token (from its prompt pass)
+    # every decoding step but each request's first token (from its prompt pass), and the one launched ahead past its
+    # last (the engine's `ahead`: discarded)
+    assert len(replays) == 2 * 12
 
 
 def test_stop_texts_stop_tokens_and_max_tokens_end_a_generation_with_its_reason():
