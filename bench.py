@@ -63,7 +63,7 @@ line a goal, a row a lever, then the table for BENCHMARKS.md. --parts runs some 
 quick form that prints every line (the figures a CPU cannot take: not measured). See benchmarks/gpu.py.
 
     python bench.py --mode=gpu                 # on the GPU machine (the wheels it lacks: see README)
-    python bench.py --mode=gpu --parts=tests,sample,decode,serve   # then --parts=train,speedrun
+    python bench.py --mode=gpu --parts=tests,sample,decode,serve   # then --parts=train, then --parts=speedrun
     python bench.py --mode=gpu --device=cpu    # the quick form, here
 
 mode=tokenizers: char, GPT-2 and BPEs learned at 4k-32k on a text (default: the Tang poems): characters and bytes a
