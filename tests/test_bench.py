@@ -543,21 +543,28 @@ def test_chat_mode_runs_end_to_end(capsys):
     threads = torch.get_num_threads()
     try:  # (one thread: a tiny model's small operations run faster alone on 2 cores that other jobs share)
         results = bench.main(["--mode=chat", "--chat_pretrain_iters=1",
-                              "--chat_sft_iters=1", "--chat_train=40", "--chat_heldout=2", "--n_layer=1",
-                              "--n_head=2", "--n_embd=8", "--batch_size=1", "--eval_iters=1", "--device=cpu",
+                              "--chat_sft_iters=6", "--chat_train=40", "--chat_heldout=2", "--n_layer=1",
+                              "--n_head=2", "--n_embd=32", "--batch_size=1", "--eval_iters=1", "--device=cpu",
                               "--dtype=float32", "--threads=1"])
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert [(r.name, r.lora, r.loss_on, r.steps) for r in results] == [
-        ("pretrained, no finetuning", False, "-", 1), ("full", False, "assistant", 1),
-        ("full, all tokens", False, "all", 1), ("LoRA", True, "assistant", 1), ("LoRA, all tokens", True, "all", 1)]
+        ("pretrained, no finetuning", False, "-", 1), ("full", False, "assistant", 6),
+        ("full, all tokens", False, "all", 6), ("LoRA", True, "assistant", 6), ("LoRA, all tokens", True, "all", 6)]
     # each model answered every assistant turn of the 2 held-out conversations
     replies = sum(len(m) // 2 for m in bench_chat.make_task(1337, 40, 2)[1])
     counted = re.findall(r"^(.+): (\S+)% of (\d+) held-out replies exact, (\S+)% end with", out, re.M)
     assert [(name, int(n)) for name, _, n, _ in counted] == [(r.name, replies) for r in results]
     assert all(0 <= r.accuracy <= 1 and 0 <= r.ended <= 1 and r.loss > 0 for r in results)
     assert results[0].accuracy == 0  # a model of one step cannot answer
+    # a model that learned nothing fails here: each finetuning lowers the held-out masked loss (what masked
+    # finetuning minimises) below the untaught model's, ln of the vocabulary. Reached at 6 steps: 10.83 untaught,
+    # 8.97 full, 9.21 full on all tokens, 10.31 and 10.49 LoRA; asserted with about half of each drop to spare
+    # (exact replies, the majority's "Yes."/"No.", would take ~20 steps of a 64-wide model: ~6 s more)
+    untaught, full, full_all, lora, lora_all = (r.loss for r in results)
+    assert untaught > 10.5 and full < untaught - 1.0 and full_all < untaught - 0.8
+    assert lora < untaught - 0.25 and lora_all < untaught - 0.15
     assert all(set(r.by_question) <= set(bench_chat.QUESTIONS) for r in results)
     # the runs, as a user types them
     assert len(re.findall(r"^\$ python train.py .*--init_from=\S+pretrained-hf --dataset=chat", out, re.M)) == 4

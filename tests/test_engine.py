@@ -489,17 +489,41 @@ def test_a_cancelled_generation_leaves_at_the_next_step_and_abort_all_ends_every
     assert runner.load == (0, 0)
 
 
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), pytest.param("bfloat16", 0.05, marks=ONEDNN_BF16)])
-def test_packed_linear_computes_nn_linear_whatever_the_number_of_rows(dtype, tol):
-    """oneDNN's prepacked product equals nn.Linear's (float32: within rounding of 768-term sums; bfloat16:
-    its own rounding, 8 bits), and a row's result is the same in batches of 1 to 9 rows (bitwise)."""
+def within_bfloat16_rounding(product, x, linear):
+    """Where product (of x by linear in bfloat16) is within rounding of the exact x @ W.T + b (in float64, from the
+    same bfloat16 numbers). The bound: each product of two bfloat16s is exact in float32; a sum of n of them in
+    float32, in any order, is off by at most n float32 epsilons of sum |x||w|; the result (and perhaps the product
+    before the bias) is rounded to bfloat16, half an epsilon relative each: within one bfloat16 epsilon of |x W.T| +
+    |b| in all, taken twice here to spare."""
+    weight, bias = linear.weight.double(), linear.bias.double()
+    xw = x.double() @ weight.T
+    bound = 2 * torch.finfo(torch.bfloat16).eps * (xw.abs() + bias.abs()) + \
+        x.size(-1) * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.abs().T)
+    return (product.double() - (xw + bias)).abs() <= bound
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_linear_computes_nn_linear_whatever_the_number_of_rows(dtype):
+    """oneDNN's prepacked product equals nn.Linear's (float32: within rounding of 3072-term sums; bfloat16: within
+    its own rounding, 8 bits, a bound that a product without its bias misses), and a row's result is the same in
+    batches of 1 to 9 rows (bitwise). The bound is checked on PyTorch's own bfloat16 product on every CPU; oneDNN's
+    only where it packs bfloat16."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(3072, 768).to(getattr(torch, dtype))
-    packed = engine.PackedLinear(linear)
     x = torch.randn(9, 1, 3072).to(linear.weight.dtype)
     with torch.no_grad():
+        if dtype == "bfloat16":
+            assert within_bfloat16_rounding(linear(x), x, linear).all()
+            # the negative control: the product with its bias left out (|b| up to 0.018 here) misses the bound
+            assert not within_bfloat16_rounding(F.linear(x, linear.weight), x, linear).all()
+            if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                pytest.skip("oneDNN cannot pack bfloat16 on this CPU (it needs AVX-512)")
+        packed = engine.PackedLinear(linear)
         whole = packed(x)
-        torch.testing.assert_close(whole.float(), linear(x).float(), atol=tol, rtol=tol)
+        if dtype == "bfloat16":
+            assert within_bfloat16_rounding(whole, x, linear).all()
+        else:
+            torch.testing.assert_close(whole, linear(x), atol=1e-5, rtol=1e-5)
         for rows in range(1, 9):
             assert torch.equal(packed(x[:rows]), whole[:rows])
 

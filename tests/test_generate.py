@@ -93,13 +93,39 @@ def test_cached_logits_equal_uncached_at_every_step(seed, config):
             step += 1
 
 
-def test_generate_under_bfloat16_autocast():
-    """The cache takes autocast's dtype (the keys come out of the projection in bfloat16)."""
+def test_generate_under_bfloat16_autocast(monkeypatch):
+    """Under the CPU's bfloat16 autocast, the one cache generate makes and feeds at every token has the dtype
+    GPT.cache_dtype decides: float32 on the CPU (where Head attends in float32), holding the keys and values exactly
+    as they come out of the projections in bfloat16; and each greedy token is the float32 model's choice within
+    bfloat16's rounding (past block_size too)."""
     model = random_model(*MODELS[1])
-    idx = torch.zeros(1, 3, dtype=torch.long)
+    caches = []
+    next_logits = model.next_logits
+    monkeypatch.setattr(model, "next_logits", lambda seq, cache=None: caches.append(cache) or next_logits(seq, cache))
+    idx = torch.tensor([[0, 0, 0], [5, 9, 2]])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model.generate(idx, 20, temperature=0)  # past block_size 16 too
-    assert out.shape == (1, 23)
+        decided = model.cache_dtype(idx.device)
+    assert out.shape == (2, 23) and len(caches) == 20
+    cache = caches[0]
+    assert cache is not None and all(c is cache for c in caches)  # one cache, fed at every token
+    assert decided == torch.float32  # the CPU's rule (Head attends in float32 there), not autocast's bfloat16
+    filled = [t[:, :, :cache.pos] for t in cache.k + cache.v]
+    assert cache.pos > 0 and all(t.dtype == decided for t in cache.k + cache.v)
+    # every cached number is a bfloat16 (the projections' output under autocast, kept exactly), unlike float32's
+    assert all(torch.equal(t, t.bfloat16().float()) for t in filled) and all(t.abs().sum() > 0 for t in filled)
+    model.generate(idx, 20, temperature=0)  # (without autocast, its cache holds numbers that bfloat16 cannot)
+    assert not all(torch.equal(t[:, :, :c.pos], t[:, :, :c.pos].bfloat16().float())
+                   for c in caches[-1:] for t in c.k + c.v)
+    # each token, teacher-forced through the float32 model without a cache: its logit is the largest within 4
+    # bfloat16 epsilons of the logits' scale (autocast rounds every layer's products to 8 bits: on other prompts
+    # these models' tokens came within 1 epsilon; a cache that loses a token's values falls short by ~50)
+    block_size, eps = model.config.block_size, torch.finfo(torch.bfloat16).eps
+    with torch.no_grad():
+        for t in range(idx.size(1), out.size(1)):
+            logits = model(out[:, max(0, t - block_size):t])[0][:, -1].float()
+            shortfall = logits.max(-1).values - logits.gather(-1, out[:, t:t + 1]).squeeze(-1)
+            assert (shortfall <= 4 * eps * logits.abs().max(-1).values).all(), t
 
 
 def test_temperature_zero_is_greedy_and_deterministic():

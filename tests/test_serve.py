@@ -540,12 +540,17 @@ def test_a_request_whose_client_hangs_up_is_cancelled(ckpt_dir):
         assert_serves(small)
 
 
-def test_a_stream_whose_client_stops_reading_pauses_then_ends(ckpt_dir):
+def test_a_stream_whose_client_stops_reading_pauses_then_ends(ckpt_dir, monkeypatch):
     """A client that stops reading holds a bounded backlog (Generation.max_backlog events, then its row pauses)
-    and, after --stream_timeout seconds unread, is ended and frees its row; the others go on meanwhile."""
+    and, after --stream_timeout seconds unread, is ended and frees its row; the others go on meanwhile. Each wait
+    is on the event (the engine's rows, the generation's condition, the engine's steps), not on a clock: the 30 s
+    deadline only bounds a hang."""
     import socket
 
     with serving(ckpt_dir, "--max_tokens=1000000", "--stream_timeout=1") as small:
+        runner, steps = small.engine, []
+        step = runner.step
+        monkeypatch.setattr(runner, "step", lambda: steps.append(None) or step())  # (the engine's steps, counted)
         reader = socket.socket()
         reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: a small TCP window)
         reader.connect(("127.0.0.1", int(small.url.rsplit(":", 1)[1])))
@@ -553,19 +558,26 @@ def test_a_stream_whose_client_stops_reading_pauses_then_ends(ckpt_dir):
         reader.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # ...and never reads
         deadline = time.time() + 30
-        while not any(g.paused for g in small.engine.rows) and time.time() < deadline:
+        while not any(g.paused for g in runner.rows) and time.time() < deadline:
             time.sleep(0.05)
-        paused = next(g for g in small.engine.rows if g.paused)
+        paused = next(g for g in runner.rows if g.paused)
         generated = paused.completion_tokens
         assert_serves(small)  # beside it
-        while not paused.done and time.time() < deadline:
-            time.sleep(0.05)
+        with paused.ready:  # (emit notifies it: the abort is the last event)
+            assert paused.ready.wait_for(lambda: paused.done, timeout=30)
         assert paused.finish_reason == "abort" and paused.completion_tokens == generated  # nothing more while paused
         assert len(paused.events) <= openai_api.STREAM_BACKLOG + 1  # (the last: the abort)
-        freed_by = time.time() + 0.6  # the next step frees its row
-        while small.engine.load != (0, 0) and time.time() < freed_by:
+
+        def freed():
+            with runner.lock:
+                return paused not in runner.rows + runner.parked and paused.slot in runner.slots.free
+
+        # the step that ends it frees its row, or the next one does: wait for that (or two more steps, or the
+        # deadline) whatever the clock says between them
+        ended_at = len(steps)
+        while not freed() and len(steps) < ended_at + 2 and time.time() < deadline:
             time.sleep(0.02)
-        assert small.engine.load == (0, 0)
+        assert freed() and runner.load == (0, 0)
         reader.close()
         assert_serves(small)
 
