@@ -21,6 +21,7 @@ from benchmarks import serve as bench_serve
 from conftest import ROOT, assert_one_error_line, make_corpus, run_in_process
 from machinery import chat, configurator, meta
 from machinery.configurator import UserError
+from machinery.hardware import pick_dtype
 from machinery.tokenizer import gpt2_encoding
 from model import GPT, GPTConfig
 
@@ -623,11 +624,12 @@ def test_gpu_mode_runs_its_quick_form_on_a_cpu_and_prints_every_line(capsys, mon
     # defaults) and of a training iteration of each model
     titles = re.findall(r"^(top kernels per decoded token, .+|.+, top kernels of one iteration): [\d,.]+ µs a "
                         r"(token|iter) in all$", out, re.M)
+    dtype = pick_dtype("auto", "cpu")  # (the engine's, as users run it: float32, or bfloat16 where it is native)
     assert [t for t, _ in titles] == ["top kernels per decoded token, " + title.replace("decoding lever: ", "")
-                                      for title in (f"batch 1, float32, {DECODE_LEVERS[0]}",
-                                                    f"4 rows, float32, {DECODE_LEVERS[0]}",
-                                                    f"batch 1, float32, {DECODE_LEVERS[1]}",
-                                                    f"batch 1, float32, {DECODE_LEVERS[2]}")] + [
+                                      for title in (f"batch 1, {dtype}, {DECODE_LEVERS[0]}",
+                                                    f"4 rows, {dtype}, {DECODE_LEVERS[0]}",
+                                                    f"batch 1, {dtype}, {DECODE_LEVERS[1]}",
+                                                    f"batch 1, {dtype}, {DECODE_LEVERS[2]}")] + [
                                       "speedrun model, muon, top kernels of one iteration",
                                       "GPT-2 124M, top kernels of one iteration"], titles
     assert [os.path.basename(args[0]) for args in calls["train.py"]] == ["speedrun_shakespeare_char_gpu.py",
