@@ -197,13 +197,9 @@ class BenchConfig(TrainConfig):
             raise UserError(f"warmup must not be negative, got {self.warmup}")
         if self.threads < 0:
             raise UserError(f"threads must not be negative, got {self.threads}")
-        for name in ("num_proc", "shard_tokens"):
-            if getattr(self, name) < 0:
-                raise UserError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("repeats", "max_new_tokens", "prompt_len", "corpus_mb", "serve_tokens", "chat_pretrain_iters",
-                     "chat_sft_iters", "chat_train", "chat_heldout"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
+        configurator.check_not_negative(self, "num_proc", "shard_tokens")
+        configurator.check_positive(self, "repeats", "max_new_tokens", "prompt_len", "corpus_mb", "serve_tokens",
+                                    "chat_pretrain_iters", "chat_sft_iters", "chat_train", "chat_heldout")
         if self.prompt_len > self.block_size:
             raise UserError(f"prompt_len ({self.prompt_len}) must be at most block_size ({self.block_size})")
 

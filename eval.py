@@ -43,9 +43,7 @@ class EvalConfig(loading.RunSource):
 
     def validate(self):
         super().validate()
-        for name in ("limit", "batch_size"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
+        configurator.check_positive(self, "limit", "batch_size")
 
     @property
     def runs_hellaswag(self):

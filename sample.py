@@ -51,7 +51,6 @@ class SampleConfig(loading.EngineSource):
                                         "blank line: --stop=$'\\n\\n' in bash); the text is cut there. BPE models "
                                         "also stop at <|endoftext|>")
     seed: int = setting(1337, "random seed")
-    compile: bool = setting(False, "torch.compile the model")
     use_cache: bool = setting(True, "KV cache (False: re-run the whole context for every token, as nanoGPT)")
     stream: bool = setting(True, "print the first sample as it is produced (the batch is generated together: "
                                  "the other samples are printed when it is done); False: print all at the end")
@@ -59,20 +58,12 @@ class SampleConfig(loading.EngineSource):
                                 "streams back, the conversation stays in the context (its oldest turns dropped "
                                 "when it is full); an empty line or Ctrl-D ends it")
     system: Optional[str] = setting(None, "--chat: the system message the conversation begins with")
-    prefix_cache_mb: int = setting(1024, "MB of memory that keep the encoded conversation for the next turn (--chat) "
-                                         "and a prompt for the other samples, exactly; 0: none")
 
     def validate(self):
         super().validate()
-        for name in ("num_samples", "max_new_tokens"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
+        configurator.check_positive(self, "num_samples", "max_new_tokens", "top_k")
         if self.temperature < 0:
             raise UserError(f"temperature must be >= 0, got {self.temperature}")
-        if self.prefix_cache_mb < 0:
-            raise UserError(f"prefix_cache_mb must be 0 (no prefix cache) or more, got {self.prefix_cache_mb}")
-        if self.top_k is not None and self.top_k <= 0:
-            raise UserError(f"top_k must be positive, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.stop == "":

@@ -57,20 +57,11 @@ class ServeConfig(loading.EngineSource):
                                      "one such pass per token at most")
     stream_timeout: float = setting(60.0, "seconds a stream may leave its tokens unread (a client that stopped "
                                           "reading) before it is ended")
-    compile: bool = setting(False, "torch.compile the model")
-    prefix_cache_mb: int = setting(1024, "MB of memory (on the device) that keep prompts' encoded prefixes for the "
-                                         "requests that begin with them (the next turn of a chat, a shared system "
-                                         "prompt), exactly, and the rows of streams nobody reads while others wait; "
-                                         "0: none")
 
     def validate(self):
         super().validate()
-        for name in ("max_batch", "max_waiting", "max_n", "max_body", "max_tokens", "prefill_chunk",
-                     "stream_timeout"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.prefix_cache_mb < 0:
-            raise UserError(f"prefix_cache_mb must be 0 (no prefix cache) or more, got {self.prefix_cache_mb}")
+        configurator.check_positive(self, "max_batch", "max_waiting", "max_n", "max_body", "max_tokens",
+                                    "prefill_chunk", "stream_timeout")
         if not 0 < self.port < 65536:
             raise UserError(f"port must be from 1 to 65535, got {self.port}")
 

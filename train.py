@@ -128,14 +128,10 @@ class TrainConfig:
 
     def validate(self):
         """One-line errors for impossible settings, before anything starts (the model's own: GPTConfig)."""
-        for name in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
-                     "learning_rate", "muon_lr"):
-            if not getattr(self, name) > 0:
-                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_iters", "warmup_iters", "lr_decay_iters", "ckpt_interval", "hellaswag_interval",
-                     "muon_momentum_warmup"):
-            if getattr(self, name) < 0:
-                raise UserError(f"{name} must not be negative, got {getattr(self, name)}")
+        configurator.check_positive(self, "eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps",
+                                    "batch_size", "learning_rate", "muon_lr")
+        configurator.check_not_negative(self, "max_iters", "warmup_iters", "lr_decay_iters", "ckpt_interval",
+                                        "hellaswag_interval", "muon_momentum_warmup")
         if not 0 <= self.muon_momentum < 1:
             raise UserError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if self.min_lr < 0 or self.min_lr > self.learning_rate:

@@ -27,6 +27,22 @@ def setting(default, help):
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def check_positive(cfg, *names):
+    """A one-line error for the first of cfg's settings names that is not above 0 (None: unset, not checked)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and not value > 0:  # (not value > 0: NaN too)
+            raise UserError(f"{name} must be positive, got {value}")
+
+
+def check_not_negative(cfg, *names):
+    """A one-line error for the first of cfg's settings names that is below 0 (None: unset, not checked)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and not value >= 0:
+            raise UserError(f"{name} must not be negative, got {value}")
+
+
 def _type_name(tp):
     if typing.get_origin(tp) is typing.Union:
         return " | ".join("None" if a is type(None) else a.__name__ for a in typing.get_args(tp))

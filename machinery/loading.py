@@ -67,7 +67,14 @@ class RunSource(ModelSource):
 
 @dataclass
 class EngineSource(RunSource):
-    """A run source that the generation engine decodes (sample.py and serve.py)."""
+    """A run source that the generation engine decodes (sample.py and serve.py): the engine's settings, declared
+    and checked once for both."""
+
+    compile: bool = setting(False, "torch.compile the model")
+    prefix_cache_mb: int = setting(1024, "MB of memory (on the device) that keep prompts' encoded prefixes, exactly, "
+                                         "for what begins with them: the next turn of a chat (serve.py, sample.py "
+                                         "--chat), a shared system prompt, the prompt of the other samples; and "
+                                         "serve.py's rows of streams nobody reads while others wait; 0: none")
 
     decode_attention: str = setting("full", "how each row attends in CUDA's fixed decoding step: full (SDPA over "
                                             "the whole cache, masked to the row's positions) or flex (FlexAttention, "
@@ -82,6 +89,8 @@ class EngineSource(RunSource):
 
     def validate(self):
         super().validate()
+        if self.prefix_cache_mb < 0:
+            raise UserError(f"prefix_cache_mb must be 0 (no prefix cache) or more, got {self.prefix_cache_mb}")
         device = self.device.split(":")[0]  # (auto: the engine checks, once it is picked)
         decode_attention.check(self.decode_attention, fixed=device in ("cuda", "auto"))
         if self.decode_ahead and device not in ("cuda", "auto"):
