@@ -104,6 +104,7 @@ from benchmarks.prepare import bench_prepare
 from benchmarks.profile import kernel_table, top_kernels
 from benchmarks.runs import NANOGPT_RECIPES, bench_beside_nanogpt, bench_speedrun, check_nanogpt
 from benchmarks.serve import bench_serve
+from benchmarks.serve import synchronize as sync
 from benchmarks.tokenizers import bench_tokenizers
 from machinery import configurator, dataset, meta
 from machinery.configurator import setting
@@ -218,11 +219,6 @@ def make_trainer(cfg, workdir, compile):
     run_cfg = dataclasses.replace(cfg, data_dir=workdir, dataset="random", out_dir=os.path.join(workdir, "out"),
                                   vocab_size=vocab, init_from="scratch", wandb_log=False, compile=compile)
     return Trainer(run_cfg)
-
-
-def sync(device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
 
 
 def describe(trainer):

@@ -39,7 +39,7 @@ import torch
 
 from benchmarks import runs, serve
 from benchmarks.profile import kernel_table, top_kernels
-from machinery import engine, loading
+from machinery import engine
 from machinery.hardware import describe, pick_device, pick_dtype
 from machinery.tokenizer import GPT2_VOCAB_SIZE
 
@@ -146,8 +146,8 @@ def decoding(cfg, hf_dir, gpu, size):
 
 def decode_levers(hf_dir, gpu, size):
     """The decoding levers side by side in this process, a row each (decode_attention, compile, decode_ahead): the
-    engine's
-    decoding rate at batch 1 (sample.py's) and at 32 rows (serve.py's step), prompts encoded first and not timed;
+    engine's decoding rate at batch 1 (sample.py's) and at 32 rows (serve.py's step), prompts encoded first and not
+    timed;
     then the top kernels per decoded token at batch 1 of each lever, and of a 32-row step at the defaults. The
     engine runs its fixed step here on a CPU too (the CUDA way), so the quick form runs what a GPU would."""
     device, dtype, sized = size["device"], pick_dtype("auto", size["device"]), size["decode"]
@@ -172,10 +172,8 @@ def decode_levers(hf_dir, gpu, size):
 
 def decode_engine(hf_dir, device, dtype, rows, attention, compile, ahead):
     """The engine of serve.py (sample.py: rows=1) on the model in hf_dir, decoding in its fixed step."""
-    loaded = loading.load(loading.ModelSource(init_from=hf_dir), device, dtype)
-    return engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype, compile), loaded.tokenizer,
-                         loaded.device, max_batch=rows, fixed=True, compile=compile, decode_attention=attention,
-                         ahead=ahead)
+    return serve.greedy_engine(hf_dir, device, dtype, compile=compile, max_batch=rows, fixed=True,
+                               decode_attention=attention, ahead=ahead)[0]
 
 
 def decoding_rows(runner, rows, steps, seed=0):
@@ -194,7 +192,7 @@ def decode_rate(runner, rows, steps):
     generations = decoding_rows(runner, rows, steps)
     for _ in range(steps):
         runner.step()
-    synchronize(runner.device)
+    serve.synchronize(runner.device)
     t0 = time.perf_counter()
     for _ in range(steps):
         runner.step()
@@ -215,11 +213,6 @@ def decode_profile(runner, rows, steps, title):
     kernels, total = top_kernels(run, rows * (steps - 1), runner.device)
     runner.run(generations)
     return kernel_table(f"top kernels per decoded token, {title}", kernels, total, "token")
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timings(run, repeats):

@@ -149,13 +149,13 @@ def transformers_greedy(hf_dir, device, dtype, prompt, n):
     return run
 
 
-def greedy_engine(hf_dir, device, dtype, quantize=None, compile=False):
+def greedy_engine(hf_dir, device, dtype, quantize=None, compile=False, max_batch=1, **settings):
     """Our engine on the model in hf_dir, loaded as serve.py's build loads it (quantize, compile: as --quantize,
-    --compile), with one row of KV cache as sample.py makes for one sample (a fixed step, CUDA's, computes every
-    row of the cache); (the engine, the tokenizer)."""
+    --compile), by default with one row of KV cache as sample.py makes for one sample (a fixed step, CUDA's,
+    computes every row of the cache); settings: more of engine.Engine's; (the engine, the tokenizer)."""
     loaded = loading.load(loading.ModelSource(init_from=hf_dir), device, dtype)
     runner = engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype, compile, quantize),
-                           loaded.tokenizer, loaded.device, max_batch=1, compile=compile)
+                           loaded.tokenizer, loaded.device, max_batch=max_batch, compile=compile, **settings)
     return runner, loaded.tokenizer
 
 
@@ -230,7 +230,8 @@ def int8_products(model, n):
 
 
 def synchronize(device):
-    if device.startswith("cuda"):
+    """Wait for a CUDA device's queued work (device: a name or a torch.device); nothing elsewhere."""
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 

@@ -1,6 +1,7 @@
 """
 How the rows of the fixed decoding step (decode.Fixed) attend over the KV cache: the `decode_attention` setting of
-engine.Engine, sample.py and serve.py, its two ways, and the bytes of keys and values each way reads (kv_bytes).
+engine.Engine, sample.py and serve.py, its two ways, and the bytes of keys and values each way reads (kv_bytes); and
+where the fixed step's settings apply (check, check_ahead: decode_ahead's).
 
 - full: PyTorch's SDPA over the whole cache, each row masked to its own positions: every row reads every position
   of the cache, however few it holds.
@@ -37,6 +38,13 @@ def check(kind, fixed=True):
     if kind == "flex" and not fixed:
         raise UserError("decode_attention=flex applies to CUDA's fixed decoding step only (this device decodes row "
                         "by row, each row over its own positions); use --device=cuda or leave it out")
+
+
+def check_ahead(ahead, fixed=True):
+    """A one-line error for decode_ahead asked for where decoding does not run in the fixed step."""
+    if ahead and not fixed:
+        raise UserError("decode_ahead applies to CUDA's fixed decoding step only (this device decodes row by row); "
+                        "use --device=cuda or leave it out")
 
 
 def make(kind, slots, pos, compiled=False):

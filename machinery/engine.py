@@ -61,7 +61,8 @@ from machinery import bf16_rows, decode, hardware, hugepages
 from machinery import quantize as quantization
 from machinery.calibration_cache import layer_key
 from machinery.decode_attention import check as check_attention
-from machinery.errors import UserError, first_line
+from machinery.decode_attention import check_ahead
+from machinery.errors import first_line
 from machinery.prefix_cache import PrefixCache
 from model import Block, attention_backends, sample_next
 
@@ -541,9 +542,7 @@ class Engine:
                                   self.device, self.fixed, decode_attention)
         self.fixed_step = decode.FixedStep(model, self.slots, compile, decode_attention) if self.fixed else None
         self.ahead = self.fixed if ahead is None else ahead  # launch a fixed step before reading the last's tokens
-        if self.ahead and not self.fixed:
-            raise UserError("decode_ahead applies to CUDA's fixed decoding step only (this device decodes row by row); "
-                            "use --device=cuda or leave it out")
+        check_ahead(self.ahead, self.fixed)
         self.flight = None  # a fixed step launched, its tokens not read yet (Flight)
         if compile and not self.fixed:
             model.compile(dynamic=True)  # in place: the engine's calls to the model run compiled

@@ -93,9 +93,7 @@ class EngineSource(RunSource):
             raise UserError(f"prefix_cache_mb must be 0 (no prefix cache) or more, got {self.prefix_cache_mb}")
         device = self.device.split(":")[0]  # (auto: the engine checks, once it is picked)
         decode_attention.check(self.decode_attention, fixed=device in ("cuda", "auto"))
-        if self.decode_ahead and device not in ("cuda", "auto"):
-            raise UserError("decode_ahead applies to CUDA's fixed decoding step only (this device decodes row by "
-                            "row); use --device=cuda or leave it out")
+        decode_attention.check_ahead(self.decode_ahead, fixed=device in ("cuda", "auto"))
 
 
 @dataclass
