@@ -1,10 +1,9 @@
 """The shape of the code: at the root only the commands and the model; every other module in machinery/ (what the
 commands share) or benchmarks/ (what bench.py alone uses), each flat; every module of ours imports the others as a
 tree (no cycle, lazy imports included), the machinery never a benchmark; model.py imports nothing of ours; no
-function is longer than 60 lines; README's tables name every file of both packages, one a row."""
+function is longer than 60 lines; README's file tree names every file of both packages, a line each."""
 
 import ast
-import re
 import subprocess
 import sys
 
@@ -143,30 +142,73 @@ def test_no_function_is_longer_than_60_lines(name):
     assert not long, f"{name}: {long}"
 
 
-def readme_rows(package):
-    """The first cells of README's table of a package (the table after the line that begins with `package/`)."""
-    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"`{package}/`"))
-    rows = []
-    for line in lines[start + 1:]:
-        if rows and not line.startswith("|"):
-            break
-        if line.startswith("|") and not line.startswith("| file") and not line.startswith("| ---"):
-            rows.append(line.split("|")[1].strip())
-    return rows
+def tree_paths(text):
+    """The paths of a file tree (the code block under `## What is where`), a line each, in order: `name  what it
+    owns`; a name ending in / opens a folder, and the lines under it, indented two spaces more, are in it, at any
+    depth (`machinery/`, `  data/`, `    meta.py`: machinery/data/meta.py). A folder's path keeps its /."""
+    lines = text.splitlines()
+    start = lines.index("## What is where")
+    first, last = [i for i in range(start, len(lines)) if lines[i].startswith("```")][:2]
+    paths, folders = [], []
+    for line in lines[first + 1:last]:
+        depth, odd = divmod(len(line) - len(line.lstrip(" ")), 2)
+        assert not odd and depth <= len(folders), f"two spaces more a folder deep: {line!r}"
+        name, *what = line.split(maxsplit=1)
+        assert what, f"a line names a path and what it owns: {line!r}"
+        folders = folders[:depth]
+        paths.append("/".join([*folders, name]))
+        if name.endswith("/"):
+            folders.append(name.rstrip("/"))
+    return paths
+
+
+def readme_tree():
+    """The paths of README's file tree (tree_paths)."""
+    return tree_paths((ROOT / "README.md").read_text(encoding="utf-8"))
+
+
+def files_under(folder):
+    """Every file beneath a folder, at any depth, as a path from the root: no __init__.py, caches or dotfiles."""
+    found = {p.relative_to(ROOT) for p in (ROOT / folder).rglob("*") if p.is_file() and p.name != "__init__.py"}
+    return {p.as_posix() for p in found if not any(part.startswith(".") or part == "__pycache__" for part in p.parts)}
+
+
+def test_the_tree_reader_maps_each_line_to_its_path_at_any_depth():
+    # the reader itself, on the lines a package's sub-folder takes
+    text = "\n".join(["## What is where", "", "```", "model.py      the model", "machinery/    shared",
+                      "  data/       datasets", "    meta.py   meta.json", "  errors.py   errors",
+                      "config/       presets", "```"])
+    assert tree_paths(text) == ["model.py", "machinery/", "machinery/data/", "machinery/data/meta.py",
+                                "machinery/errors.py", "config/"]
+    with pytest.raises(AssertionError):
+        tree_paths(text.replace("    meta.py", "      meta.py"))  # deeper than the folder above it
+    with pytest.raises(AssertionError):
+        tree_paths(text.replace("  errors.py   errors", "  errors.py"))  # without what it owns
 
 
 @pytest.mark.parametrize("package", PACKAGES)
-def test_the_readme_table_lists_each_file_of_a_package_once_a_row(package):
-    # a file added, removed or renamed in machinery/ or benchmarks/ without its row would leave readers a wrong map
-    rows = readme_rows(package)
-    names = [re.findall(r"`([^`]+)`", row) for row in rows]
-    assert all(len(n) == 1 for n in names), [row for row, n in zip(rows, names) if len(n) != 1]  # one job a row
-    files = {p.name for p in (ROOT / package).iterdir()
-             if p.is_file() and p.name != "__init__.py" and not p.name.startswith(".")}
-    listed = [n[0] for n in names]
-    assert len(listed) == len(set(listed)) and set(listed) == files, (sorted(files - set(listed)),
-                                                                      sorted(set(listed) - files))
+def test_the_readme_tree_lists_each_file_of_a_package_once_a_line(package):
+    # a file added, removed or renamed in machinery/ or benchmarks/ (a sub-folder's too) without its line would
+    # leave readers a wrong map
+    paths = readme_tree()
+    listed = [p for p in paths if p.startswith(f"{package}/") and not p.endswith("/")]
+    files = files_under(package)
+    assert f"{package}/" in paths
+    assert len(listed) == len(set(listed)), sorted(p for p in set(listed) if listed.count(p) > 1)
+    assert set(listed) == files, (sorted(files - set(listed)), sorted(set(listed) - files))  # (missing, extra)
+
+
+def test_the_readme_tree_names_real_paths_the_commands_and_each_folder_it_opens_whole():
+    paths = readme_tree()
+    assert len(paths) == len(set(paths)), sorted(p for p in set(paths) if paths.count(p) > 1)
+    wrong = [p for p in paths if not ((ROOT / p).is_dir() if p.endswith("/") else (ROOT / p).is_file())]
+    assert not wrong, wrong
+    root = {p.name for p in ROOT.glob("*.py")}  # the model and every command
+    assert root <= set(paths), sorted(root - set(paths))
+    for folder in [p for p in paths if p.endswith("/")]:  # a folder whose files the tree lists, it lists whole
+        listed = {p for p in paths if p.startswith(folder) and not p.endswith("/")}
+        assert not listed or listed == files_under(folder), (folder, sorted(files_under(folder) - listed),
+                                                             sorted(listed - files_under(folder)))
 
 
 def test_prepare_py_imports_no_torch():
