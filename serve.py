@@ -37,7 +37,8 @@ INSTALL = "pip install fastapi==0.165.0 uvicorn==0.54.0"
 # would run on for minutes first, holding its slot), and of asyncio's write buffer before a stream waits. A client that
 # stops reading then blocks its stream after some tens of KB (~50 KB in the kernel, which counts its own overhead, and
 # 16 KB in asyncio); the stream's events wait in the engine, and its generation pauses (openai_api.STREAM_BACKLOG) and
-# gives its slot to a waiting request (BENCHMARKS.md, issue 41). 16 KiB is ~90 chunks ahead of a reader that keeps up.
+# gives its slot to a waiting request (docs/benchmarks-history.md, issue 41). 16 KiB is ~90 chunks ahead of a reader
+# that keeps up.
 SEND_BUFFER = 16 * 1024
 
 

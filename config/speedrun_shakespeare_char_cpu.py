@@ -2,7 +2,7 @@
 # python prepare.py shakespeare_char && time python train.py config/speedrun_shakespeare_char_cpu.py
 # Side by side with nanoGPT's CPU recipe through this train.py: python bench.py --mode=speedrun --repeats=3
 #
-# Each lever measured in BENCHMARKS.md ("CPU speedrun on any CPU"): Muon on the blocks' matrices (AdamW
+# Each lever measured in docs/benchmarks-history.md ("CPU speedrun on any CPU"): Muon on the blocks' matrices (AdamW
 # for embeddings and gains), which reaches in 500 steps what AdamW reaches in 1,400; QK-norm and Muon's
 # momentum rising from 0.85 to 0.9 over the whole run, which take it there in 400; 3 Newton-Schulz steps
 # with Polar Express's coefficients instead of 5 (40 % cheaper, as good); 2 layers instead of nanoGPT's 4

@@ -106,8 +106,8 @@ def shard(model):
 
     The mesh is named, not left to fully_shard: its default is a mesh of the machine's accelerator, so on a
     machine with a GPU a --device=cpu job (gloo) got a CUDA mesh, which puts each rank on GPU LOCAL_RANK
-    (rank 1 of 2 on a 1-GPU machine failed while rank 0 waited for it: the hang of BENCHMARKS.md, *GPU*) and
-    the shards there."""
+    (rank 1 of 2 on a 1-GPU machine failed while rank 0 waited for it: the hang in docs/benchmarks-history.md,
+    *GPU (issue 32)*) and the shards there."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
