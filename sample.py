@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
-from machinery import configurator, engine, loading, talk
+from machinery import configurator, engine, loading, packing, talk
 from machinery.calibration_cache import CalibrationCache
 from machinery.configurator import setting
 from machinery.errors import UserError, exit_without_teardown, run_main
 from machinery.fileio import read_text
 from machinery.hardware import describe
+from machinery.request import Request
 from machinery.tokenizer import end_of_text_stop
 
 
@@ -102,7 +103,7 @@ def main(argv=None):
     if cfg.stop is not None:
         encode(tokenizer, cfg.stop, "--stop")  # text the model cannot produce would never stop a sample
     rows = 1 if cfg.chat else cfg.num_samples  # (decoded together: the engine's rows)
-    model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
+    model = packing.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
     print(describe(loaded.device, loaded.dtype), file=sys.stderr)  # (stdout is the samples' alone)
     runner = engine.Engine(model, tokenizer, loaded.device, max_batch=rows,
                            use_cache=cfg.use_cache, compile=cfg.compile, prefix_cache_mb=cfg.prefix_cache_mb,
@@ -130,8 +131,8 @@ def print_samples(cfg, runner, tokenizer, prompt, ids):
     """Generate num_samples continuations of ids together (sample i with seed + i); stream the first as its
     text becomes final, then print the others."""
     stop, stop_tokens = (cfg.stop,) if cfg.stop else (), end_of_text_stop(tokenizer)
-    samples = [runner.submit(engine.Request(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
-                                            seed=cfg.seed + i, stop=stop, stop_tokens=stop_tokens))
+    samples = [runner.submit(Request(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
+                                     seed=cfg.seed + i, stop=stop, stop_tokens=stop_tokens))
                for i in range(cfg.num_samples)]
     if cfg.stream:
         print(prompt, end="", flush=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
-from machinery import configurator, engine, loading, openai_api
+from machinery import configurator, engine, loading, openai_api, packing
 from machinery.calibration_cache import CalibrationCache
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
@@ -74,7 +74,7 @@ class ServeConfig(loading.EngineSource):
 def build(cfg):
     """The model loaded, its engine (not started) and the API's shared state."""
     loaded = loading.load_run(cfg)
-    model = engine.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
+    model = packing.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
     runner = engine.Engine(model, loaded.tokenizer, loaded.device, cfg.max_batch, cfg.max_waiting,
                            prefill_chunk=cfg.prefill_chunk, stall_timeout=cfg.stream_timeout, compile=cfg.compile,
                            prefix_cache_mb=cfg.prefix_cache_mb, calibration=CalibrationCache(),

@@ -33,8 +33,9 @@ import torch
 
 from benchmarks.prepare import describe_machine
 from benchmarks.runs import setting_args
-from machinery import chat, configurator, conversations, engine, loading
+from machinery import chat, configurator, conversations, engine, loading, packing
 from machinery.errors import UserError
+from machinery.request import Request
 
 SYSTEM = "Answer questions about the user's list of words."
 # common nouns, half of them animals, each one GPT-2 token after a space (tests/test_bench.py checks)
@@ -207,8 +208,8 @@ def replies(model, tok, device, turns, batch=64):
     runner = engine.Engine(model, tok, device, max_batch=batch, max_waiting=batch)
     answers = []
     for i in range(0, len(turns), batch):
-        generations = [runner.submit(engine.Request(ids, max_tokens=len(tok.encode(expected)) + MAX_EXTRA_TOKENS,
-                                                    temperature=0.0, stop_tokens=(chat.stop_token(),)))
+        generations = [runner.submit(Request(ids, max_tokens=len(tok.encode(expected)) + MAX_EXTRA_TOKENS,
+                                             temperature=0.0, stop_tokens=(chat.stop_token(),)))
                        for ids, expected in turns[i:i + batch]]
         while not all(g.done for g in generations):
             runner.step()
@@ -227,7 +228,7 @@ def evaluate(cfg, out_dir, heldout, split, result):
              for messages in heldout for i, m in enumerate(messages) if m["role"] == "assistant"]
     asked = [next(name for name, (question, _) in QUESTIONS.items() if messages[i - 1]["content"].endswith(question))
              for messages in heldout for i, m in enumerate(messages) if m["role"] == "assistant"]
-    answers = replies(engine.prepare(loaded.model, loaded.device, "float32"), tok, loaded.device, turns)
+    answers = replies(packing.prepare(loaded.model, loaded.device, "float32"), tok, loaded.device, turns)
     result.accuracy = sum(text == expected for (text, _), (_, expected) in zip(answers, turns)) / len(turns)
     result.ended = sum(reason == "stop" for _, reason in answers) / len(turns)
     kinds = {}  # by the question asked: [right, asked]

@@ -39,8 +39,8 @@ import torch
 
 from benchmarks import runs, serve
 from benchmarks.profile import kernel_table, top_kernels
-from machinery import engine
 from machinery.hardware import describe, pick_device, pick_dtype
+from machinery.request import Request
 from machinery.tokenizer import GPT2_VOCAB_SIZE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -179,7 +179,7 @@ def decode_engine(hf_dir, device, dtype, rows, attention, compile, ahead):
 def decoding_rows(runner, rows, steps, seed=0):
     """rows requests of 1 + 2 * steps tokens each (12-token prompts, temperature 1, seeded) in runner, stepped until
     every prompt is encoded and every row decodes (the first token of each sampled): their Generations."""
-    generations = [runner.submit(engine.Request(prompt, max_tokens=1 + 2 * steps, temperature=1.0, seed=seed + i))
+    generations = [runner.submit(Request(prompt, max_tokens=1 + 2 * steps, temperature=1.0, seed=seed + i))
                    for i, prompt in enumerate(serve.prompts(rows, 12, seed))]
     while not all(g.completion_tokens for g in generations):
         runner.step()

@@ -49,10 +49,11 @@ import time
 import torch
 
 from benchmarks.llama_runs import llama_cpp_greedy, llama_cpp_text_loss
-from machinery import convert, decode, engine, gguf_export, loading, quantize
+from machinery import convert, decode, engine, gguf_export, loading, packing, quantize
 from machinery.fileio import read_text
 from machinery.hardware import DTYPES
 from machinery.meta import DatasetMeta
+from machinery.request import Request
 from machinery.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE
 from model import GPT
 
@@ -154,7 +155,7 @@ def greedy_engine(hf_dir, device, dtype, quantize=None, compile=False, max_batch
     --compile), by default with one row of KV cache as sample.py makes for one sample (a fixed step, CUDA's,
     computes every row of the cache); settings: more of engine.Engine's; (the engine, the tokenizer)."""
     loaded = loading.load(loading.ModelSource(init_from=hf_dir), device, dtype)
-    runner = engine.Engine(engine.prepare(loaded.model, loaded.device, loaded.dtype, compile, quantize),
+    runner = engine.Engine(packing.prepare(loaded.model, loaded.device, loaded.dtype, compile, quantize),
                            loaded.tokenizer, loaded.device, max_batch=max_batch, compile=compile, **settings)
     return runner, loaded.tokenizer
 
@@ -164,10 +165,11 @@ def engine_greedy(hf_dir, device, dtype, prompt, n, quantize=None, compile=False
     runner, _ = greedy_engine(hf_dir, device, dtype, quantize, compile)
 
     def run():
-        g = runner.submit(engine.Request(prompt, max_tokens=n, temperature=0))
+        g = runner.submit(Request(prompt, max_tokens=n, temperature=0))
         while not g.done:
             runner.step()
-        if runner.device.type == "cuda" and runner.fixed_step.graph is None:  # an eager figure is not the graph's
+        step = runner.model_runner.fixed_step
+        if runner.device.type == "cuda" and step.graph is None:  # an eager figure is not the graph's
             raise RuntimeError(f"the engine's CUDA graph was not captured ({decode.EAGER_NOTE}: see above)")
     return run
 
@@ -203,8 +205,8 @@ def sample_text(hf_dir, device, dtype, n):
     <|endoftext|>: the difference would not be n tokens)."""
     runner, tokenizer = greedy_engine(hf_dir, device, dtype)
     prompt = tokenizer.encode(SAMPLE_START)
-    g = runner.submit(engine.Request(prompt, max_tokens=SAMPLE_FEW + n, temperature=0,
-                                     stop_tokens=(GPT2_EOT,)))
+    g = runner.submit(Request(prompt, max_tokens=SAMPLE_FEW + n, temperature=0,
+                              stop_tokens=(GPT2_EOT,)))
     runner.run([g])
     if g.completion_tokens != SAMPLE_FEW + n:
         raise RuntimeError(f"greedy decoding ends after {g.completion_tokens} tokens (<|endoftext|>), not "

@@ -1,4 +1,4 @@
-"""What engine.calibrate measured on this machine, kept in a JSON file for the next start (sample.py and serve.py):
+"""What packing.calibrate measured on this machine, kept in a JSON file for the next start (sample.py and serve.py):
 measuring GPT-2's five shapes takes 0.1-0.2 s of every start, and the answer is the kernels', not the model's.
 
 A layer's entry (keyed by its class, weight shape, dtype and bias) holds the min_rows calibrate set, the most rows

@@ -60,7 +60,7 @@ import uuid
 from dataclasses import dataclass
 
 from machinery import chat, talk
-from machinery.engine import QueueFull, Request, Stopped
+from machinery.request import QueueFull, Request, Stopped
 from machinery.errors import UserError, first_line
 from machinery.tokenizer import end_of_text_stop
 

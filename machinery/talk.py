@@ -14,8 +14,9 @@ import contextlib
 import itertools
 import sys
 
-from machinery import chat, engine
+from machinery import chat
 from machinery.errors import UserError
+from machinery.request import Request
 from machinery.tokenizer import end_of_text_stop
 
 PROMPT = "> "  # shown before the user's line in a terminal
@@ -97,9 +98,9 @@ def converse(cfg, runner, tokenizer, read=input, out=None):
             said = True
             print(f"note: the conversation is longer than this model's context leaves room for ({block_size} "
                   f"tokens, a reply's included): its oldest turns are dropped", file=sys.stderr)
-        request = engine.Request(ids, min(cfg.max_new_tokens, block_size - len(ids)), cfg.temperature, cfg.top_k,
-                                 cfg.top_p, seed=cfg.seed + i, stop=(cfg.stop,) if cfg.stop else (),
-                                 stop_tokens=stop_tokens(tokenizer))
+        request = Request(ids, min(cfg.max_new_tokens, block_size - len(ids)), cfg.temperature, cfg.top_k,
+                          cfg.top_p, seed=cfg.seed + i, stop=(cfg.stop,) if cfg.stop else (),
+                          stop_tokens=stop_tokens(tokenizer))
         conversation.answered(reply(runner, request, cfg.stream, out))
         while runner.cache_tail():  # (before the next line is read: the next turn then encodes only what is new)
             pass

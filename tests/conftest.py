@@ -384,15 +384,15 @@ def fake_hub(monkeypatch, tmp_path, files, repo_id="HuggingFaceFW/fineweb-edu"):
 
 @pytest.fixture
 def calibrations(monkeypatch):
-    """The `most` of each measurement engine.calibrate makes (a layer shape each, _rows_alone), as they are made."""
-    from machinery import engine
+    """The `most` of each measurement packing.calibrate makes (a layer shape each, _rows_alone), as they are made."""
+    from machinery import packing
 
-    made, rows_alone = [], engine._rows_alone
+    made, rows_alone = [], packing._rows_alone
 
     def counting(linear, most):
         made.append(most)
         return rows_alone(linear, most)
-    monkeypatch.setattr(engine, "_rows_alone", counting)
+    monkeypatch.setattr(packing, "_rows_alone", counting)
     return made
 
 

@@ -10,14 +10,15 @@ import sys
 import pytest
 import torch
 
-from machinery import bf16_rows, decode, engine
+from machinery import bf16_rows, decode, engine, packing
+from machinery.request import Request
 from model import GPT, GPTConfig
 from test_engine import Tokens, scored, small_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL = pytest.mark.skipif(bf16_rows.load() is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                             reason="the kernel needs Linux on x86-64 with AVX-512 BF16, gcc, and oneDNN's bfloat16")
-AMX = pytest.mark.skipif(not engine.uses_kernel("bfloat16") or not bf16_rows.load().amx,
+AMX = pytest.mark.skipif(not packing.uses_kernel("bfloat16") or not bf16_rows.load().amx,
                          reason="the engine decodes with the kernel only on a CPU with AMX (and with the kernel)")
 
 
@@ -118,9 +119,9 @@ def test_the_engine_decodes_bfloat16_with_the_kernel():
     """prepare in bfloat16 gives every linear layer the kernel (KernelLinear, all bound where Linux lends AMX);
     float32 oneDNN's PackedLinear."""
     def kinds(dtype):
-        model = engine.prepare(small_model(), "cpu", dtype)
+        model = packing.prepare(small_model(), "cpu", dtype)
         return {(type(m).__name__, getattr(m, "kernel", None) is not None) for m in model.modules()
-                if isinstance(m, engine.RowsLinear)}
+                if isinstance(m, packing.RowsLinear)}
 
     assert kinds("bfloat16") == {("KernelLinear", bf16_rows.load().amx)}
     assert kinds("float32") == {("PackedLinear", False)}
@@ -131,15 +132,15 @@ def test_with_the_kernel_a_requests_scores_do_not_depend_on_how_many_rows_decode
     """The kernel decodes any number of rows correctly, each alone: 12 seeded requests decoding together in an
     engine of the kernel's model score bit for bit as each one alone, and calibrate lets a pass hold all 12; the
     prompts (more than one position a row) are oneDNN's products, the decoding passes the kernel's."""
-    model = engine.prepare(small_model(n_embd=768, n_layer=1, vocab_size=300, block_size=64), "cpu", "bfloat16")
+    model = packing.prepare(small_model(n_embd=768, n_layer=1, vocab_size=300, block_size=64), "cpu", "bfloat16")
     runner = engine.Engine(model, Tokens(300), max_batch=12)
     assert runner.pass_rows == 12
     g = torch.Generator().manual_seed(2)
-    requests = [engine.Request(torch.randint(0, 300, (3 + i % 9,), generator=g).tolist(), max_tokens=6,
-                               temperature=1.0, seed=i, logprobs=0) for i in range(12)]
+    requests = [Request(torch.randint(0, 300, (3 + i % 9,), generator=g).tolist(), max_tokens=6,
+                        temperature=1.0, seed=i, logprobs=0) for i in range(12)]
     calls = []
     for m in model.modules():
-        if isinstance(m, engine.KernelLinear):
+        if isinstance(m, packing.KernelLinear):
             m.kernel = Counted(m.kernel, calls)
     together = scored(runner, requests)
     assert calls and set(calls) <= set(range(1, 13)) and max(calls) > 1
@@ -163,7 +164,7 @@ def test_kernel_linear_runs_prompts_as_packed_linear_and_decoding_passes_with_th
     of one position) give the kernel's."""
     torch.manual_seed(3)
     linear = torch.nn.Linear(768, 2304).to(torch.bfloat16)
-    ours, theirs = engine.KernelLinear(linear), engine.PackedLinear(linear)
+    ours, theirs = packing.KernelLinear(linear), packing.PackedLinear(linear)
     with torch.no_grad():
         prompt = torch.randn(1, 37, 768).to(torch.bfloat16)
         assert torch.equal(ours(prompt), theirs(prompt))
@@ -227,22 +228,22 @@ def test_a_bfloat16_engine_keeps_a_bfloat16_cache_and_decoding_rows_attend_with_
     and PyTorch's attention."""
     torch.manual_seed(4)
     config = GPTConfig(block_size=64, vocab_size=300, n_layer=2, n_head=2, n_embd=128, qk_norm=True)
-    model = engine.prepare(GPT(config), "cpu", "bfloat16")  # (2 heads of 64)
+    model = packing.prepare(GPT(config), "cpu", "bfloat16")  # (2 heads of 64)
     assert {type(b).__name__ for b in model.blocks} == {"Block"}
     runner = engine.Engine(model, Tokens(300), max_batch=6)
     assert runner.slots.k[0].dtype == torch.bfloat16 and runner.slots.attend is bf16_rows.attend
     calls = []
     runner.slots.attend = lambda *args: calls.append(args[-1]) or bf16_rows.attend(*args)
     g = torch.Generator().manual_seed(4)
-    requests = [engine.Request(torch.randint(0, 300, (3 + 2 * i,), generator=g).tolist(), max_tokens=5,
-                               temperature=1.0, seed=i, logprobs=0) for i in range(6)]
+    requests = [Request(torch.randint(0, 300, (3 + 2 * i,), generator=g).tolist(), max_tokens=5,
+                        temperature=1.0, seed=i, logprobs=0) for i in range(6)]
     together = scored(runner, requests)
     # each request's 4 decoding passes (its first token comes from its prompt's pass), in each of 2 layers
     assert sorted(calls) == sorted(n for i in range(6) for n in range(4 + 2 * i, 8 + 2 * i) for _ in range(2))
     assert [scored(runner, [r])[0] for r in requests] == together
-    float32 = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70))
-    compiled = engine.Engine(engine.prepare(small_model(), "cpu", "bfloat16", compile=True), Tokens(70), compile=True)
-    odd_heads = engine.Engine(engine.prepare(small_model(n_embd=72), "cpu", "bfloat16"), Tokens(70))
+    float32 = engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70))
+    compiled = engine.Engine(packing.prepare(small_model(), "cpu", "bfloat16", compile=True), Tokens(70), compile=True)
+    odd_heads = engine.Engine(packing.prepare(small_model(n_embd=72), "cpu", "bfloat16"), Tokens(70))
     for other in (float32, compiled, odd_heads):  # (heads of 36: not a multiple of 16)
         assert other.slots.k[0].dtype == torch.float32 and other.slots.attend is None
     long_rows = small_model(n_embd=32, n_layer=1, block_size=bf16_rows.POSITIONS).to(torch.bfloat16)
@@ -335,8 +336,8 @@ def test_a_block_kernel_is_the_blocks_steps_in_order_each_row_alone(bias, approx
     torch.manual_seed(5)
     config = GPTConfig(block_size=64, vocab_size=80, n_layer=1, n_head=n_head, n_embd=n_embd, bias=bias,
                        gelu=approximate, mlp_ratio=mlp_ratio)
-    block = engine.prepare(GPT(config), "cpu", "bfloat16").blocks[0]
-    assert isinstance(block, engine.KernelBlock)
+    block = packing.prepare(GPT(config), "cpu", "bfloat16").blocks[0]
+    assert isinstance(block, packing.KernelBlock)
     size = n_embd // n_head
     for count in (1, 3, 4, 9, 40):
         x = torch.randn(count, 1, n_embd).to(torch.bfloat16)
@@ -355,12 +356,12 @@ def test_an_engine_of_the_kernels_decodes_every_block_with_one_call_each_row_alo
     decoding passes run the kernel (prompts PyTorch's Block) and 9 seeded requests (passes of up to 9 rows) score
     together as each one alone."""
     def blocks(dtype, **options):
-        model = engine.prepare(small_model(n_embd=128, **options), "cpu", dtype)
+        model = packing.prepare(small_model(n_embd=128, **options), "cpu", dtype)
         return model, {type(b).__name__ for b in model.blocks}
 
     assert blocks("float32")[1] == {"Block"}
-    qk = engine.prepare(GPT(GPTConfig(block_size=32, vocab_size=70, n_layer=1, n_head=2, n_embd=128, qk_norm=True)),
-                        "cpu", "bfloat16")
+    qk = packing.prepare(GPT(GPTConfig(block_size=32, vocab_size=70, n_layer=1, n_head=2, n_embd=128, qk_norm=True)),
+                         "cpu", "bfloat16")
     assert {type(b).__name__ for b in qk.blocks} == {"Block"}
     model, kinds = blocks("bfloat16", vocab_size=300, block_size=64)
     assert kinds == {"KernelBlock"}
@@ -369,8 +370,8 @@ def test_an_engine_of_the_kernels_decodes_every_block_with_one_call_each_row_alo
         block.kernel = Counted(block.kernel, calls)
     runner = engine.Engine(model, Tokens(300), max_batch=9)
     g = torch.Generator().manual_seed(6)
-    requests = [engine.Request(torch.randint(0, 300, (2 + i,), generator=g).tolist(), max_tokens=5,
-                               temperature=1.0, seed=i, logprobs=0) for i in range(9)]
+    requests = [Request(torch.randint(0, 300, (2 + i,), generator=g).tolist(), max_tokens=5,
+                        temperature=1.0, seed=i, logprobs=0) for i in range(9)]
     together = scored(runner, requests)
     assert calls and max(calls) > 1 and set(calls) <= set(range(1, 10))
     assert [scored(runner, [r])[0] for r in requests] == together

@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from machinery import decode, engine
+from machinery import decode, engine, model_runner, packing
+from machinery.request import Request
 from model import attention_backends
 from test_decode_attention import BLOCK, EDGES, among_others
 from test_engine import Tokens, run, small_model
@@ -24,9 +25,9 @@ SERVING = ("fastapi", "starlette", "pydantic", "uvicorn", "httpx", "httpx2", "op
 
 def greedy(dtype, capture=True, device="cuda"):
     """60 greedy tokens of the engine's fixed step (the window of 32 slides) after PROMPT, and its runner."""
-    runner = engine.Engine(engine.prepare(small_model(block_size=32), device, dtype), Tokens(70), device, fixed=True)
-    runner.fixed_step.capture = capture and runner.fixed_step.capture
-    return run(runner, [engine.Request(PROMPT, max_tokens=60, temperature=0)])[0], runner
+    runner = engine.Engine(packing.prepare(small_model(block_size=32), device, dtype), Tokens(70), device, fixed=True)
+    runner.model_runner.fixed_step.capture = capture and runner.model_runner.fixed_step.capture
+    return run(runner, [Request(PROMPT, max_tokens=60, temperature=0)])[0], runner
 
 
 def uncached_logits(model, tokens, start, block_size):
@@ -42,7 +43,8 @@ def test_graph_decoding_gives_the_uncached_greedy_tokens_in_float32(tf32_off):
     model = small_model(block_size=32).to("cuda").eval()
     expected = model.generate(torch.tensor([PROMPT], device="cuda"), 60, temperature=0, use_cache=False)[0, 5:]
     tokens, runner = greedy("float32")
-    assert runner.slots.device.type == "cuda" and runner.fixed_step.graph is not None  # a captured graph ran
+    assert runner.slots.device.type == "cuda"
+    assert runner.model_runner.fixed_step.graph is not None  # a captured graph ran
     assert tokens == expected.tolist()
 
 
@@ -54,7 +56,7 @@ def test_graph_decoding_in_bfloat16_is_the_eager_steps_and_the_uncached_models_w
     logits are within 6 % of the largest of float64's: two bfloat16 computations within twice that; a token chosen
     wrongly, by a wrong position or mask, falls short by about the logits' spread)."""
     tokens, runner = greedy("bfloat16")
-    assert runner.fixed_step.graph is not None
+    assert runner.model_runner.fixed_step.graph is not None
     assert greedy("bfloat16", capture=False)[0] == tokens
     logits = uncached_logits(small_model(block_size=32).to("cuda", torch.bfloat16).eval(), PROMPT + tokens,
                              len(PROMPT), 32)
@@ -69,22 +71,24 @@ def test_the_flex_graph_gives_the_uncached_greedy_tokens_in_float32_across_its_b
     model = small_model(block_size=200).to("cuda").eval()
     prompt = torch.randint(0, 70, (120,), generator=torch.Generator().manual_seed(0)).tolist()
     expected = model.generate(torch.tensor([prompt], device="cuda"), 100, temperature=0, use_cache=False)[0, 120:]
-    runner = engine.Engine(engine.prepare(small_model(block_size=200), "cuda", "float32"), Tokens(70), "cuda",
+    runner = engine.Engine(packing.prepare(small_model(block_size=200), "cuda", "float32"), Tokens(70), "cuda",
                            fixed=True, decode_attention="flex")
-    assert run(runner, [engine.Request(prompt, max_tokens=100, temperature=0)]) == [expected.tolist()]
-    assert runner.fixed_step.graph is not None and runner.fixed_step.fixed.attention.kind == "flex"
+    assert run(runner, [Request(prompt, max_tokens=100, temperature=0)]) == [expected.tolist()]
+    step = runner.model_runner.fixed_step
+    assert step.graph is not None and step.fixed.attention.kind == "flex"
 
 
 # (flex: block_size 200, prompts of 1 to 170 tokens: rows at either side of the flex blocks' edge)
 @pytest.mark.parametrize("attention, block_size, spread, longest", [("full", 64, 1, 7), ("flex", 200, 37, 170)])
 def test_a_requests_tokens_are_the_same_alone_and_among_31_others(attention, block_size, spread, longest):
-    runner = engine.Engine(engine.prepare(small_model(n_embd=256, block_size=block_size), "cuda", "bfloat16"),
+    runner = engine.Engine(packing.prepare(small_model(n_embd=256, block_size=block_size), "cuda", "bfloat16"),
                            Tokens(70), "cuda", max_batch=32, decode_attention=attention)
     g = torch.Generator().manual_seed(0)
-    requests = [engine.Request(torch.randint(0, 70, (1 + i * spread % longest,), generator=g).tolist(),
-                               max_tokens=24, temperature=1.0, seed=i) for i in range(32)]
+    requests = [Request(torch.randint(0, 70, (1 + i * spread % longest,), generator=g).tolist(),
+                        max_tokens=24, temperature=1.0, seed=i) for i in range(32)]
     together = run(runner, requests)
-    assert runner.fixed_step.graph is not None and runner.fixed_step.fixed.attention.kind == attention
+    step = runner.model_runner.fixed_step
+    assert step.graph is not None and step.fixed.attention.kind == attention
     assert run(runner, [requests[5]]) == [together[5]] and run(runner, [requests[30]]) == [together[30]]
 
 
@@ -100,7 +104,7 @@ def step_logits(attention, dtype, rows=8, steps=2 * BLOCK + 10):
     """The float32 logits (steps, rows, V) of a fixed step's graph in dtype attending as attention, fed random tokens,
     row r at position t - 20 r of step t (0 before: rows of other lengths), across 2 flex block edges; and the
     step."""
-    model = engine.prepare(small_model(n_embd=256, block_size=300), "cuda", dtype)
+    model = packing.prepare(small_model(n_embd=256, block_size=300), "cuda", dtype)
     slots = decode.Slots(model.config, rows, next(model.parameters()).dtype, "cuda", fixed=True, attention=attention)
     step = decode.FixedStep(model, slots, attention=attention)
     tokens = torch.randint(0, 70, (rows, steps), generator=torch.Generator().manual_seed(0))
@@ -140,9 +144,9 @@ def test_a_rows_draw_is_the_same_alone_and_in_any_batch_on_cuda():
 def test_flat_distributions_over_gpt2s_vocabulary_draw_the_same_alone_and_at_once():
     """8 seeded requests at once and alone (bench.py --mode=gpu's check), where every draw is near a tie: 50,257
     tokens, temperature 50."""
-    runner = engine.Engine(engine.prepare(small_model(vocab_size=50257, block_size=64), "cuda", "bfloat16"),
+    runner = engine.Engine(packing.prepare(small_model(vocab_size=50257, block_size=64), "cuda", "bfloat16"),
                            Tokens(50257), "cuda", max_batch=8)
-    requests = [engine.Request([3 + i, 7, 11 * i], max_tokens=24, temperature=50.0, seed=i) for i in range(8)]
+    requests = [Request([3 + i, 7, 11 * i], max_tokens=24, temperature=50.0, seed=i) for i in range(8)]
     together = run(runner, requests)
     assert [run(runner, [r])[0] for r in requests] == together
 
@@ -152,7 +156,7 @@ def cache_on_and_off(device, dtype):
     sharing prefixes (greedy and seeded, n > 1, echo, logprobs, past block_size), and the tokens it saved."""
     from test_prefix_cache import CHUNK, random_waves, results
 
-    model = engine.prepare(small_model(n_embd=32, block_size=48), device, dtype)
+    model = packing.prepare(small_model(n_embd=32, block_size=48), device, dtype)
     events, saved = [], []
     for budget in (0, 1):
         runner = engine.Engine(model, Tokens(70), device, max_batch=4, prefill_chunk=CHUNK, prefix_cache_mb=budget)
@@ -175,15 +179,15 @@ def test_a_decoding_step_makes_the_host_wait_for_the_gpu_once(monkeypatch, ahead
     synchronises once, to read the new tokens (torch's sync debug mode warns at each synchronising call). With
     ahead, that wait is the landing step's Flight.read alone (an event's wait, which the debug mode may not count),
     and the next step is in flight when it returns."""
-    runner = engine.Engine(engine.prepare(small_model(), "cuda", "float32"), Tokens(70), "cuda", max_batch=4,
+    runner = engine.Engine(packing.prepare(small_model(), "cuda", "float32"), Tokens(70), "cuda", max_batch=4,
                            ahead=ahead)
     settings = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.8, top_k=5), dict(temperature=1.0)]
     for i, kw in enumerate(settings):
-        runner.submit(engine.Request([1 + i, 2], max_tokens=20, seed=i, **kw))
+        runner.submit(Request([1 + i, 2], max_tokens=20, seed=i, **kw))
     for _ in range(3):  # the prompts, then the graph's capture
         runner.step()
-    counts, reads, read = [], [], engine.Flight.read
-    monkeypatch.setattr(engine.Flight, "read", lambda self: reads.append(1) or read(self))
+    counts, reads, read = [], [], model_runner.Flight.read
+    monkeypatch.setattr(model_runner.Flight, "read", lambda self: reads.append(1) or read(self))
     torch.cuda.set_sync_debug_mode("warn")
     try:
         for _ in range(5):
@@ -191,7 +195,7 @@ def test_a_decoding_step_makes_the_host_wait_for_the_gpu_once(monkeypatch, ahead
                 warnings.simplefilter("always")
                 runner.step()
             counts.append(sum("synchronizing CUDA operation" in str(w.message) for w in caught))
-            assert (runner.flight is not None) == ahead
+            assert (runner.model_runner.flight is not None) == ahead
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert counts == [1] * 5 if not ahead else (len(reads) == 5 and all(c <= 1 for c in counts)), counts
@@ -226,4 +230,4 @@ def test_serve_py_on_cuda_refuses_each_bad_request_and_then_serves(serve_tests, 
         for sent, status, _, _ in serve_tests.BAD:
             assert serve_tests.post(server, "/v1/completions", sent).status_code == status, sent
         serve_tests.assert_serves(server)
-        assert server.engine.fixed_step.graph is not None
+        assert server.engine.model_runner.fixed_step.graph is not None

@@ -8,8 +8,9 @@ is refused where no fixed step runs."""
 import pytest
 import torch
 
-from machinery import decode, engine, loading
+from machinery import decode, engine, loading, model_runner, packing
 from machinery.errors import UserError
+from machinery.request import Request
 from test_engine import Tokens, small_model
 
 
@@ -26,7 +27,7 @@ def events(runner, requests, join=()):
 
 
 def fixed_engine(ahead, block_size=16, max_batch=8):
-    return engine.Engine(engine.prepare(small_model(block_size=block_size), "cpu", "float32"), Tokens(70),
+    return engine.Engine(packing.prepare(small_model(block_size=block_size), "cpu", "float32"), Tokens(70),
                          max_batch=max_batch, fixed=True, ahead=ahead)
 
 
@@ -39,23 +40,23 @@ def generated(runner, request):
 
 def test_steps_launched_ahead_give_exactly_the_plain_steps_events():
     plain, ahead = fixed_engine(False), fixed_engine(True)
-    assert ahead.ahead and not plain.ahead
+    assert ahead.model_runner.ahead and not plain.model_runner.ahead
     # a stop text two greedy tokens long that the greedy continuation of [3, 4] meets after its 6th token: the
     # row ends there while the next step, launched ahead, is in flight
-    tokens = generated(plain, engine.Request([3, 4], max_tokens=12, temperature=0))
+    tokens = generated(plain, Request([3, 4], max_tokens=12, temperature=0))
     stop = Tokens(70).decode(tokens[6:8])
     assert stop not in Tokens(70).decode(tokens[:7])  # (it first appears there)
-    sampled = generated(plain, engine.Request([2, 2, 2], max_tokens=25, temperature=0.8, top_p=0.9, seed=2))
+    sampled = generated(plain, Request([2, 2, 2], max_tokens=25, temperature=0.8, top_p=0.9, seed=2))
     end = next(t for i, t in enumerate(sampled) if i >= 4 and t not in sampled[:i])  # a stop token met at the 5th+
-    requests = [engine.Request([1, 5, 9, 2, 7], max_tokens=30, temperature=0),  # past block_size 16: slides
-                engine.Request([3, 4], max_tokens=20, temperature=0, stop=(stop,)),
-                engine.Request([8, 3], max_tokens=9, temperature=1.0, top_k=5, seed=1),
-                engine.Request([2, 2, 2], max_tokens=25, temperature=0.8, top_p=0.9, seed=2, stop_tokens=(end,)),
-                engine.Request([6, 1], max_tokens=7, temperature=1.0, seed=3, logprobs=2),  # scored: never ahead
-                engine.Request([4, 4, 4, 4], max_tokens=11, temperature=1.0, seed=4, echo=True),
-                engine.Request([5], max_tokens=6, temperature=0)]  # (its one prompt token fed by the fixed step)
-    join = [(5, engine.Request([7, 7], max_tokens=8, temperature=1.0, seed=5)),  # joins while the others decode
-            (9, engine.Request([9], max_tokens=12, temperature=0))]
+    requests = [Request([1, 5, 9, 2, 7], max_tokens=30, temperature=0),  # past block_size 16: slides
+                Request([3, 4], max_tokens=20, temperature=0, stop=(stop,)),
+                Request([8, 3], max_tokens=9, temperature=1.0, top_k=5, seed=1),
+                Request([2, 2, 2], max_tokens=25, temperature=0.8, top_p=0.9, seed=2, stop_tokens=(end,)),
+                Request([6, 1], max_tokens=7, temperature=1.0, seed=3, logprobs=2),  # scored: never ahead
+                Request([4, 4, 4, 4], max_tokens=11, temperature=1.0, seed=4, echo=True),
+                Request([5], max_tokens=6, temperature=0)]  # (its one prompt token fed by the fixed step)
+    join = [(5, Request([7, 7], max_tokens=8, temperature=1.0, seed=5)),  # joins while the others decode
+            (9, Request([9], max_tokens=12, temperature=0))]
     expected = events(plain, requests, join)
     assert [e[-1][4] for e in expected] == ["length", "stop", "length", "stop", "length", "length", "length",
                                             "length", "length"]  # (each way of ending happens)
@@ -68,46 +69,47 @@ def test_steps_launched_ahead_give_exactly_the_plain_steps_events():
 
 
 def test_in_a_steady_batch_the_next_step_is_launched_before_the_tokens_are_read(monkeypatch):
-    order, launch, read = [], decode.FixedStep.__call__, engine.Flight.read
+    order, launch, read = [], decode.FixedStep.__call__, model_runner.Flight.read
     monkeypatch.setattr(decode.FixedStep, "__call__", lambda self, idx, pos: order.append("launch") or
                         launch(self, idx, pos))
-    monkeypatch.setattr(engine.Flight, "read", lambda self: order.append("read") or read(self))
+    monkeypatch.setattr(model_runner.Flight, "read", lambda self: order.append("read") or read(self))
     runner = fixed_engine(True, block_size=32)
-    requests = [engine.Request([1, 2], max_tokens=6, temperature=0),
-                engine.Request([3, 4, 5], max_tokens=6, temperature=1.0, seed=0)]
+    requests = [Request([1, 2], max_tokens=6, temperature=0),
+                Request([3, 4, 5], max_tokens=6, temperature=1.0, seed=0)]
     assert [len(r) for r in events(runner, requests)] == [6, 6]
     # the prompts' passes sample the first tokens (no fixed step); then the fixed step of the 2nd tokens launched,
     # the 3rd's launched before the 2nd's are read, ..., a 7th's launched before the 6th's are read (max_tokens
     # ends them there: it is discarded, see below)
     assert order == ["launch"] + ["launch", "read"] * 5
-    assert runner.flight is not None and all(g.done for g in runner.flight.rows)
+    assert runner.model_runner.flight is not None and all(g.done for g in runner.model_runner.flight.rows)
 
 
 def test_a_row_that_ends_while_the_next_step_is_in_flight_has_that_token_discarded(monkeypatch):
     runner = fixed_engine(True, block_size=32)
-    tokens = generated(fixed_engine(False, block_size=32), engine.Request([7, 3], max_tokens=12, temperature=0))
+    tokens = generated(fixed_engine(False, block_size=32), Request([7, 3], max_tokens=12, temperature=0))
     i = next(i for i, t in enumerate(tokens) if i >= 3 and t not in tokens[:i])  # the first token met anew
     launches, launch = [], decode.FixedStep.__call__
     monkeypatch.setattr(decode.FixedStep, "__call__", lambda self, idx, pos: launches.append(1) or
                         launch(self, idx, pos))
-    ended = events(runner, [engine.Request([7, 3], max_tokens=12, temperature=0,
-                                           stop=(Tokens(70).decode([tokens[i]]),))])[0]
+    ended = events(runner, [Request([7, 3], max_tokens=12, temperature=0,
+                                    stop=(Tokens(70).decode([tokens[i]]),))])[0]
     assert [e[0] for e in ended] == tokens[:i + 1] and ended[-1][4] == "stop"  # (its text cut)
     # the steps that drew tokens 1..i (the prompt's pass drew the 0th), and the one launched ahead for token i + 1:
     # launched before token i was read, then discarded
     assert len(launches) == i + 1
-    assert runner.flight is not None and all(g.done for g in runner.flight.rows)
+    assert runner.model_runner.flight is not None and all(g.done for g in runner.model_runner.flight.rows)
     runner.step()  # it lands: nothing is emitted, and the engine decodes on
-    assert runner.flight is None
-    assert generated(runner, engine.Request([7, 3], max_tokens=12, temperature=0)) == tokens
+    assert runner.model_runner.flight is None
+    assert generated(runner, Request([7, 3], max_tokens=12, temperature=0)) == tokens
 
 
 def test_decode_ahead_is_refused_where_no_fixed_step_runs():
     with pytest.raises(UserError, match="decode_ahead applies to CUDA's fixed decoding step only"):
-        engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), fixed=False, ahead=True)
+        engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70), fixed=False, ahead=True)
     source = loading.EngineSource(device="cpu", decode_ahead=True)
     with pytest.raises(UserError, match="decode_ahead applies to CUDA's fixed decoding step only.*--device=cuda"):
         source.validate()
     loading.EngineSource(device="cpu", decode_ahead=False).validate()  # (off: nothing to refuse)
-    assert not engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70)).ahead  # the CPU's default
-    assert engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), fixed=True).ahead
+    cpu = engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70))
+    assert not cpu.model_runner.ahead  # the CPU's default
+    assert engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70), fixed=True).model_runner.ahead

@@ -14,10 +14,11 @@ import torch
 import sample
 import serve
 from conftest import assert_one_error_line, assert_one_line, run_in_process
-from machinery import decode, decode_attention, engine
+from machinery import decode, decode_attention, engine, packing
 from machinery.configurator import parse
 from machinery.decode_attention import BLOCK
 from machinery.errors import UserError
+from machinery.request import Request
 from model import GPTConfig, Head
 from test_engine import Tokens, cuda_stand_ins, run, small_model
 
@@ -160,7 +161,7 @@ def test_the_steps_cache_writes_are_the_indexed_writes_one_for_keys_and_values_f
 def test_the_model_gives_the_step_its_keys_and_values_as_one_tensor(monkeypatch):
     joined, joint = [], decode.joint
     monkeypatch.setattr(decode, "joint", lambda k, v: joined.append(joint(k, v) is not None) or joint(k, v))
-    run(flex_engine(16, rows=2), [engine.Request([1, 2, 3], max_tokens=3, temperature=0)])
+    run(flex_engine(16, rows=2), [Request([1, 2, 3], max_tokens=3, temperature=0)])
     # 2 layers, 3 decoding steps: the first token comes from the prompt's pass, and a step launched ahead past the
     # last is discarded (the engine's `ahead`)
     assert joined == [True] * 2 * 3
@@ -168,7 +169,7 @@ def test_the_model_gives_the_step_its_keys_and_values_as_one_tensor(monkeypatch)
 
 def flex_engine(block_size, rows=4):
     """A float32 engine of a small model whose fixed step (CUDA's way, run here) attends with flex."""
-    return engine.Engine(engine.prepare(small_model(block_size=block_size), "cpu", "float32"), Tokens(70),
+    return engine.Engine(packing.prepare(small_model(block_size=block_size), "cpu", "float32"), Tokens(70),
                          max_batch=rows, fixed=True, decode_attention="flex")
 
 
@@ -179,27 +180,27 @@ def test_flex_decoding_gives_the_uncached_tokens_past_block_size_and_each_reques
     prompt = torch.randint(0, 70, (120,), generator=torch.Generator().manual_seed(0)).tolist()
     expected = small_model(block_size=150).generate(torch.tensor([prompt]), 40, temperature=0, use_cache=False)
     runner = flex_engine(150)
-    assert run(runner, [engine.Request(prompt, max_tokens=40, temperature=0)]) == [expected[0, 120:].tolist()]
-    assert runner.fixed_step.fixed.attention.kind == "flex"
+    assert run(runner, [Request(prompt, max_tokens=40, temperature=0)]) == [expected[0, 120:].tolist()]
+    assert runner.model_runner.fixed_step.fixed.attention.kind == "flex"
     g = torch.Generator().manual_seed(1)
-    requests = [engine.Request(torch.randint(0, 70, (n,), generator=g).tolist(), max_tokens=12, temperature=1.0,
-                               seed=n) for n in (1, 60, BLOCK - 6, BLOCK + 3)]
+    requests = [Request(torch.randint(0, 70, (n,), generator=g).tolist(), max_tokens=12, temperature=1.0,
+                        seed=n) for n in (1, 60, BLOCK - 6, BLOCK + 3)]
     together = run(runner, requests)
     assert [run(runner, [r])[0] for r in requests] == together and len({tuple(t) for t in together}) == 4
 
 
 def full_tokens():
-    runner = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2, fixed=True)
-    return run(runner, [engine.Request([1, 5, 9], max_tokens=12, temperature=0)])
+    runner = engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2, fixed=True)
+    return run(runner, [Request([1, 5, 9], max_tokens=12, temperature=0)])
 
 
 def test_flex_that_cannot_run_gives_way_to_full_said_once(capsys):
     def fail(*args, **kwargs):
         raise RuntimeError("no triton here\nmore")
     runner = flex_engine(32, rows=2)
-    runner.fixed_step.fixed.attention.flex = fail
-    assert run(runner, [engine.Request([1, 5, 9], max_tokens=12, temperature=0)]) == full_tokens()
-    assert runner.fixed_step.fixed.attention.kind == "full"
+    runner.model_runner.fixed_step.fixed.attention.flex = fail
+    assert run(runner, [Request([1, 5, 9], max_tokens=12, temperature=0)]) == full_tokens()
+    assert runner.model_runner.fixed_step.fixed.attention.kind == "full"
     assert capsys.readouterr().err == f"{decode.FLEX_NOTE} (RuntimeError: no triton here)\n"
 
 
@@ -209,7 +210,7 @@ def test_a_flex_step_that_cannot_be_captured_is_captured_with_full(monkeypatch, 
     expected = full_tokens()
     cuda_stand_ins(monkeypatch)
     runner = flex_engine(32, rows=2)
-    step = runner.fixed_step
+    step = runner.model_runner.fixed_step
 
     def capture():
         if step.fixed.attention.kind == "flex":
@@ -218,7 +219,7 @@ def test_a_flex_step_that_cannot_be_captured_is_captured_with_full(monkeypatch, 
         step.graph = types.SimpleNamespace(replay=lambda: step.logits.copy_(step._run()))
     monkeypatch.setattr(step, "_capture", capture)
     step.capture = True
-    assert run(runner, [engine.Request([1, 5, 9], max_tokens=12, temperature=0)]) == expected
+    assert run(runner, [Request([1, 5, 9], max_tokens=12, temperature=0)]) == expected
     assert step.graph is not None and step.fixed.attention.kind == "full"
     assert capsys.readouterr().err == f"{decode.FLEX_NOTE} (RuntimeError: flex did not compile)\n"
 
@@ -234,5 +235,6 @@ def test_the_setting_takes_flex_on_cuda_and_the_engine_refuses_it_where_rows_dec
         parse(sample.SampleConfig, [f"--device={device}", "--decode_attention=flex"]).validate()
     assert parse(serve.ServeConfig, []).decode_attention == "full"  # (the default, until a GPU has measured flex)
     with pytest.raises(UserError) as excinfo:
-        engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2, decode_attention="flex")
+        engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2,
+                      decode_attention="flex")
     assert_one_line(excinfo, "flex", "fixed decoding step")

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from machinery import engine
+from machinery import engine, packing
+from machinery.request import QueueFull, Request, StreamText
 from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
 from test_generate import CUDA_BACKENDS, cuda_attention_stand_ins
 
@@ -24,7 +25,7 @@ def feed(text_stream, tokenizer, ids):
 
 def test_streaming_holds_back_what_may_become_the_stop_text():
     tokenizer = CharTokenizer(sorted(set("Hello ROMEX then ROMEO: more")))
-    stream = engine.StreamText(tokenizer, stop=("ROMEO:",))
+    stream = StreamText(tokenizer, stop=("ROMEO:",))
     pieces, everything = feed(stream, tokenizer, tokenizer.encode("Hello ROMEX then ROMEO: more"))
     assert "".join(everything) == stream.text == "Hello ROMEX then "
     assert stream.done
@@ -39,7 +40,7 @@ def test_streaming_holds_back_split_utf8_characters_and_stops_at_a_stop_token():
     text = "Fair 你好世界, café — ok"
     ids = tokenizer.encode(text)
     assert any(tokenizer.decode(ids[:n]).endswith("\ufffd") for n in range(len(ids)))  # split characters
-    stream = engine.StreamText(tokenizer, stop_tokens=[tokenizer.eot_token])
+    stream = StreamText(tokenizer, stop_tokens=[tokenizer.eot_token])
     pieces, everything = feed(stream, tokenizer, ids + [tokenizer.eot_token] + tokenizer.encode(" more"))
     assert not any("\ufffd" in p for p in pieces)
     assert "".join(pieces) == "".join(everything) == stream.text == text
@@ -49,7 +50,7 @@ def test_streaming_holds_back_split_utf8_characters_and_stops_at_a_stop_token():
 
 def test_several_stop_texts_cut_at_the_first_to_appear_and_hold_back_the_longest_possible_start():
     tokenizer = CharTokenizer(sorted(set("abc xyz. END")))
-    stream = engine.StreamText(tokenizer, stop=("END", "xyz."))
+    stream = StreamText(tokenizer, stop=("END", "xyz."))
     pieces, everything = feed(stream, tokenizer, tokenizer.encode("abc xyz abc xyz. END"))
     assert stream.done and stream.text == "abc xyz abc "  # xyz. comes first, END never does
     assert "".join(pieces[:4]) == "abc "  # ...
@@ -74,7 +75,7 @@ def test_streamed_text_is_the_whole_decode_cut_at_the_first_stop_text_and_held_b
     whole = tokenizer.decode(ids)
     start = int(torch.randint(100, len(whole) - 20, (1,), generator=g))
     stop = (whole[start:start + 5], "never in it \u2603\u2603") if seed % 2 else ()
-    stream = engine.StreamText(tokenizer, stop=stop)
+    stream = StreamText(tokenizer, stop=stop)
     final = whole[:min([whole.find(t) for t in stop if t in whole], default=len(whole))]
     out = ""
     for k in range(len(ids)):
@@ -143,11 +144,11 @@ def test_a_requests_scores_do_not_depend_on_how_many_rows_decode_with_it(dtype):
     without the engine's calibrate, 11 of these 40 requests scored differently; with AVX-512 BF16 and no AMX,
     one did while calibrate probed with one random row): every request's tokens and log-probabilities, bit
     for bit, are the ones it gets alone."""
-    model = engine.prepare(small_model(n_embd=768, n_layer=1, vocab_size=300, block_size=64), "cpu", dtype)
+    model = packing.prepare(small_model(n_embd=768, n_layer=1, vocab_size=300, block_size=64), "cpu", dtype)
     runner = engine.Engine(model, Tokens(300), max_batch=40)
     g = torch.Generator().manual_seed(1)
-    requests = [engine.Request(torch.randint(0, 300, (3 + i % 9,), generator=g).tolist(), max_tokens=6,
-                               temperature=1.0, seed=i, logprobs=0) for i in range(40)]
+    requests = [Request(torch.randint(0, 300, (3 + i % 9,), generator=g).tolist(), max_tokens=6,
+                        temperature=1.0, seed=i, logprobs=0) for i in range(40)]
     together = scored(runner, requests)
     assert [scored(runner, [r])[0] for r in requests] == together
 
@@ -178,12 +179,12 @@ def test_decoding_passes_hold_only_as_many_rows_as_the_kernels_compute_as_each_r
     each request scores as alone; a pass of all 12 at once scores otherwise."""
     rounding = Rounding(5, lone_differs)
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", rounding)
-    model = engine.prepare(small_model(), "cpu", "float32")
+    model = packing.prepare(small_model(), "cpu", "float32")
     runner = engine.Engine(model, Tokens(70), max_batch=12)
     assert runner.pass_rows == 5
-    assert {m.min_rows for m in model.modules() if isinstance(m, engine.PackedLinear)} == \
-        {engine.PackedLinear.MIN_ROWS if lone_differs else 1}
-    requests = [engine.Request([1 + i, 2, 3], max_tokens=4, temperature=1.0, seed=i, logprobs=0) for i in range(12)]
+    assert {m.min_rows for m in model.modules() if isinstance(m, packing.PackedLinear)} == \
+        {packing.PackedLinear.MIN_ROWS if lone_differs else 1}
+    requests = [Request([1 + i, 2, 3], max_tokens=4, temperature=1.0, seed=i, logprobs=0) for i in range(12)]
     rounding.rows.clear()
     together = scored(runner, requests)
     assert max(rounding.rows) == 5 and (1 not in rounding.rows) == lone_differs
@@ -202,7 +203,7 @@ def in_lanes(terms):
     return total.sum(-1)
 
 
-class SumsInBlocks(engine.RowsLinear):
+class SumsInBlocks(packing.RowsLinear):
     """A bfloat16 layer whose products of more than 5 rows sum the two halves of the inputs apart, then add them
     (another blocking), where fewer rows sum them whole; both in_lanes, both rounded to bfloat16: they differ only
     where float32's last bits change a rounding."""
@@ -230,9 +231,9 @@ def test_calibrate_sees_another_blocking_that_random_rows_hardly_show():
             return sum((layer(six) != torch.cat([layer(row) for row in six.split(1)])).sum().item()
                        for six in rows.split(6))
 
-    random_rows, probes = torch.randn(96, 1024).to(torch.bfloat16), engine._probe_rows(layer).repeat(3, 1)
+    random_rows, probes = torch.randn(96, 1024).to(torch.bfloat16), packing._probe_rows(layer).repeat(3, 1)
     assert len(probes) == 6 and differing(random_rows) < 0.0005 * 96 * 256 and differing(probes) > 0.01 * 6 * 256
-    assert engine.calibrate(torch.nn.Sequential(layer), 8) == 5
+    assert packing.calibrate(torch.nn.Sequential(layer), 8) == 5
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -242,11 +243,11 @@ def test_a_requests_tokens_do_not_depend_on_what_else_runs(dtype):
     algorithm than two or more) in 1 layer; sampling at temperature 1 makes any difference in the logits
     likely to change a token. bfloat16 runs oneDNN's packed product where the CPU computes bfloat16
     natively, PyTorch's own kernel elsewhere (can_pack): each CPU kind checks its own path."""
-    model = engine.prepare(small_model(n_embd=768, n_layer=1, vocab_size=300, block_size=64), "cpu", dtype)
+    model = packing.prepare(small_model(n_embd=768, n_layer=1, vocab_size=300, block_size=64), "cpu", dtype)
     runner = engine.Engine(model, Tokens(300))
     g = torch.Generator().manual_seed(1)
-    requests = [engine.Request(torch.randint(0, 300, (3 + 2 * i,), generator=g).tolist(), max_tokens=12,
-                               temperature=1.0, seed=i) for i in range(8)]
+    requests = [Request(torch.randint(0, 300, (3 + 2 * i,), generator=g).tolist(), max_tokens=12,
+                        temperature=1.0, seed=i) for i in range(8)]
     together = run(runner, requests)
     assert [run(runner, [r])[0] for r in requests] == together
     assert all(len(t) == 12 for t in together) and len({tuple(t) for t in together}) == 8
@@ -260,10 +261,10 @@ def test_greedy_tokens_are_model_generates_cached_uncached_and_past_block_size(d
     model = small_model(block_size=16).to(getattr(torch, dtype))
     prompt = [1, 5, 9, 2, 7]
     expected = model.generate(torch.tensor([prompt]), 30, temperature=0, use_cache=False)[0, 5:].tolist()
-    prepared = engine.prepare(small_model(block_size=16), "cpu", dtype)
+    prepared = packing.prepare(small_model(block_size=16), "cpu", dtype)
     for use_cache in (True, False):
         runner = engine.Engine(prepared, Tokens(70), use_cache=use_cache)
-        assert run(runner, [engine.Request(prompt, max_tokens=30, temperature=0)]) == [expected]
+        assert run(runner, [Request(prompt, max_tokens=30, temperature=0)]) == [expected]
 
 
 def test_prompts_encoded_in_chunks_give_the_uncached_tokens_and_scores():
@@ -276,10 +277,10 @@ def test_prompts_encoded_in_chunks_give_the_uncached_tokens_and_scores():
         logits, _ = model(torch.tensor([prompt]), every_position=True)
     scores = torch.log_softmax(logits[0], -1)
     for chunk in (1, 3, 64):
-        runner = engine.Engine(engine.prepare(small_model(block_size=32), "cpu", "float32"), Tokens(70),
+        runner = engine.Engine(packing.prepare(small_model(block_size=32), "cpu", "float32"), Tokens(70),
                                prefill_chunk=chunk)
-        assert run(runner, [engine.Request(prompt, max_tokens=20, temperature=0)]) == [expected]
-        g = runner.submit(engine.Request(prompt, max_tokens=0, logprobs=1, echo=True))
+        assert run(runner, [Request(prompt, max_tokens=20, temperature=0)]) == [expected]
+        g = runner.submit(Request(prompt, max_tokens=0, logprobs=1, echo=True))
         while not g.done:
             runner.step()
         events = list(g)[:-1]
@@ -289,11 +290,11 @@ def test_prompts_encoded_in_chunks_give_the_uncached_tokens_and_scores():
 
 
 def test_a_long_prompt_joins_in_chunks_while_the_running_rows_get_a_token_at_every_step():
-    runner = engine.Engine(engine.prepare(small_model(block_size=64), "cpu", "float32"), Tokens(70),
+    runner = engine.Engine(packing.prepare(small_model(block_size=64), "cpu", "float32"), Tokens(70),
                            prefill_chunk=4)
-    running = [runner.submit(engine.Request([i + 1, 2], max_tokens=40, temperature=0)) for i in range(3)]
+    running = [runner.submit(Request([i + 1, 2], max_tokens=40, temperature=0)) for i in range(3)]
     runner.step()
-    long = runner.submit(engine.Request(list(range(1, 31)), max_tokens=5, temperature=0))
+    long = runner.submit(Request(list(range(1, 31)), max_tokens=5, temperature=0))
     for _ in range(8):  # 30 prompt tokens, 4 a step: 8 steps
         before = [g.completion_tokens for g in running] + [long.length]
         runner.step()
@@ -303,12 +304,12 @@ def test_a_long_prompt_joins_in_chunks_while_the_running_rows_get_a_token_at_eve
 
 
 def test_a_request_cancelled_while_waiting_never_runs_and_slots_are_reused():
-    runner = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2)
+    runner = engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2)
     seen = []
     forward = runner.model.forward
     runner.model.forward = lambda idx, *a, **k: seen.append(idx.tolist()) or forward(idx, *a, **k)
-    first = [runner.submit(engine.Request([1, 2, 3], max_tokens=3)) for _ in range(2)]
-    waiting = runner.submit(engine.Request([9, 9, 9, 9], max_tokens=3))
+    first = [runner.submit(Request([1, 2, 3], max_tokens=3)) for _ in range(2)]
+    waiting = runner.submit(Request([9, 9, 9, 9], max_tokens=3))
     runner.step()
     waiting.cancel()
     while not all(g.done for g in first):
@@ -316,7 +317,7 @@ def test_a_request_cancelled_while_waiting_never_runs_and_slots_are_reused():
     runner.step()
     assert waiting.finish_reason == "abort" and waiting.slot is None and [9, 9, 9, 9] not in [r for b in seen for r in b]
     assert sorted(runner.slots.free) == [0, 1] and runner.load == (0, 0)
-    assert run(runner, [engine.Request([4, 5], max_tokens=3) for _ in range(5)])  # 5 requests through 2 rows
+    assert run(runner, [Request([4, 5], max_tokens=3) for _ in range(5)])  # 5 requests through 2 rows
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -327,13 +328,13 @@ def test_fixed_shape_decoding_gives_the_uncached_tokens_and_each_requests_own(dt
     prompt = [1, 5, 9, 2, 7]
     model = small_model(block_size=16).to(getattr(torch, dtype))
     expected = model.generate(torch.tensor([prompt]), 30, temperature=0, use_cache=False)[0, 5:].tolist()
-    runner = engine.Engine(engine.prepare(small_model(block_size=16), "cpu", dtype), Tokens(70), max_batch=8,
+    runner = engine.Engine(packing.prepare(small_model(block_size=16), "cpu", dtype), Tokens(70), max_batch=8,
                            fixed=True)
-    assert runner.slots.length % 64 == 0 and runner.fixed_step is not None
-    assert run(runner, [engine.Request(prompt, max_tokens=30, temperature=0)]) == [expected]
+    assert runner.slots.length % 64 == 0 and runner.model_runner.fixed_step is not None
+    assert run(runner, [Request(prompt, max_tokens=30, temperature=0)]) == [expected]
     g = torch.Generator().manual_seed(1)
-    requests = [engine.Request(torch.randint(0, 70, (1 + 2 * i,), generator=g).tolist(), max_tokens=20,
-                               temperature=1.0, seed=i) for i in range(8)]
+    requests = [Request(torch.randint(0, 70, (1 + 2 * i,), generator=g).tolist(), max_tokens=20,
+                        temperature=1.0, seed=i) for i in range(8)]
     together = run(runner, requests)
     assert [run(runner, [r])[0] for r in requests] == together and len({tuple(t) for t in together}) == 8
 
@@ -344,15 +345,15 @@ def test_a_compiled_fixed_step_is_one_graph_whatever_the_lengths(eager_dynamo):
     "eager" backend keeps the test quick: dynamo decides what to recompile whatever the backend), and the tokens
     are the eager engine's."""
     rounds = [[[1, 2, 3]], [[4, 5], [6, 7, 8, 9, 10, 11], [12]]]  # the second: other lengths, more rows, longer
-    eager = engine.Engine(engine.prepare(small_model(block_size=16), "cpu", "float32"), Tokens(70), max_batch=4,
+    eager = engine.Engine(packing.prepare(small_model(block_size=16), "cpu", "float32"), Tokens(70), max_batch=4,
                           fixed=True)
-    expected = [run(eager, [engine.Request(p, max_tokens=10 + 15 * r, temperature=0) for p in prompts])
+    expected = [run(eager, [Request(p, max_tokens=10 + 15 * r, temperature=0) for p in prompts])
                 for r, prompts in enumerate(rounds)]
-    model = engine.prepare(small_model(block_size=16), "cpu", "float32", compile=True)
+    model = packing.prepare(small_model(block_size=16), "cpu", "float32", compile=True)
     runner = engine.Engine(model, Tokens(70), max_batch=4, fixed=True, compile=True)
     graphs = []
     for r, prompts in enumerate(rounds):
-        assert run(runner, [engine.Request(p, max_tokens=10 + 15 * r, temperature=0) for p in prompts]) == \
+        assert run(runner, [Request(p, max_tokens=10 + 15 * r, temperature=0) for p in prompts]) == \
             expected[r]
         graphs.append(eager_dynamo["stats"]["unique_graphs"])
     assert graphs == [1, 1], graphs
@@ -369,22 +370,22 @@ def cuda_stand_ins(monkeypatch):
 
 def fixed_engine():
     """An engine that decodes in fixed steps (CUDA's way), on the CPU: 2 rows of a small float32 model."""
-    return engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2, fixed=True)
+    return engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2, fixed=True)
 
 
 def fixed_greedy(runner, capture):
     """Greedy tokens of two requests in turn through a fixed engine whose step captures (as on CUDA) or not."""
-    runner.fixed_step.capture = capture
-    return [run(runner, [engine.Request(p, max_tokens=12, temperature=0)]) for p in ([1, 5, 9], [2, 7])]
+    runner.model_runner.fixed_step.capture = capture
+    return [run(runner, [Request(p, max_tokens=12, temperature=0)]) for p in ([1, 5, 9], [2, 7])]
 
 
 @pytest.mark.parametrize("fixed", [False, True])
 def test_on_cuda_every_attention_call_of_a_step_runs_with_the_kernels_chosen(monkeypatch, fixed):
     """Each step enters model.attention_backends' choice for CUDA (the one generate enters), around every
     attention call, a prompt's and a decoding row's (CUDA's choice stood in for; the model runs on the CPU)."""
-    runner = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2, fixed=fixed)
+    runner = engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2, fixed=fixed)
     record = cuda_attention_stand_ins(monkeypatch, "machinery.engine")
-    run(runner, [engine.Request([1, 5, 9], max_tokens=6, temperature=0), engine.Request([2, 7], max_tokens=4)])
+    run(runner, [Request([1, 5, 9], max_tokens=6, temperature=0), Request([2, 7], max_tokens=4)])
     assert record.backends and all(backends == CUDA_BACKENDS for backends in record.backends)
     assert set(record.devices) == {torch.device("cpu")} and len(record.devices) == len(record.backends)
     assert len(record.calls) >= 6 and all(record.calls), record.calls
@@ -400,9 +401,9 @@ def test_a_failed_graph_capture_puts_the_stream_back_and_decodes_eagerly(monkeyp
     def fail():
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
     runner = fixed_engine()
-    monkeypatch.setattr(runner.fixed_step, "_capture", fail)
+    monkeypatch.setattr(runner.model_runner.fixed_step, "_capture", fail)
     assert fixed_greedy(runner, capture=True) == expected
-    assert set_streams == ["stream of cpu"] and runner.fixed_step.graph is None
+    assert set_streams == ["stream of cpu"] and runner.model_runner.fixed_step.graph is None
     assert capsys.readouterr().err == ("note: the decoding step runs eagerly, without a CUDA graph (RuntimeError: "
                                        "operation not permitted when stream is capturing)\n")
 
@@ -415,7 +416,7 @@ def test_a_captured_step_reads_its_inputs_from_the_buffers_it_was_captured_on(mo
     expected = fixed_greedy(fixed_engine(), capture=False)
     cuda_stand_ins(monkeypatch)
     runner = fixed_engine()
-    step, replays = runner.fixed_step, []
+    step, replays = runner.model_runner.fixed_step, []
 
     def capture():
         captured = step.idx, step.fixed.pos
@@ -435,15 +436,15 @@ def test_a_captured_step_reads_its_inputs_from_the_buffers_it_was_captured_on(mo
 
 
 def test_stop_texts_stop_tokens_and_max_tokens_end_a_generation_with_its_reason():
-    model = engine.prepare(small_model(), "cpu", "float32")
+    model = packing.prepare(small_model(), "cpu", "float32")
     runner = engine.Engine(model, Tokens(70))
-    free = run(runner, [engine.Request([3, 4], max_tokens=20, temperature=0.8, seed=1)])[0]
+    free = run(runner, [Request([3, 4], max_tokens=20, temperature=0.8, seed=1)])[0]
     text = Tokens(70).decode(free)
     cut = next(k for k in range(2, 18) if text.find(text[k:k + 2]) == k)  # a 2-token text first seen at k
     stop_at = next(k for k in range(2, 18) if free.index(free[k]) == k)  # a token first drawn at k
-    g = runner.submit(engine.Request([3, 4], max_tokens=20, temperature=0.8, seed=1, stop=(text[cut:cut + 2],)))
-    h = runner.submit(engine.Request([3, 4], max_tokens=20, temperature=0.8, seed=1, stop_tokens=(free[stop_at],)))
-    i = runner.submit(engine.Request([3, 4], max_tokens=4, temperature=0.8, seed=1))
+    g = runner.submit(Request([3, 4], max_tokens=20, temperature=0.8, seed=1, stop=(text[cut:cut + 2],)))
+    h = runner.submit(Request([3, 4], max_tokens=20, temperature=0.8, seed=1, stop_tokens=(free[stop_at],)))
+    i = runner.submit(Request([3, 4], max_tokens=4, temperature=0.8, seed=1))
     while not (g.done and h.done and i.done):
         runner.step()
     assert (g.finish_reason, h.finish_reason, i.finish_reason) == ("stop", "stop", "length")
@@ -454,9 +455,9 @@ def test_stop_texts_stop_tokens_and_max_tokens_end_a_generation_with_its_reason(
 
 def test_echo_scores_the_prompt_and_max_tokens_0_generates_nothing():
     model = small_model()
-    runner = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70))
+    runner = engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70))
     prompt = [3, 1, 4, 1, 5, 9]
-    g = runner.submit(engine.Request(prompt, max_tokens=0, logprobs=2, echo=True))
+    g = runner.submit(Request(prompt, max_tokens=0, logprobs=2, echo=True))
     while not g.done:
         runner.step()
     events = list(g)
@@ -472,12 +473,12 @@ def test_echo_scores_the_prompt_and_max_tokens_0_generates_nothing():
 
 
 def test_a_cancelled_generation_leaves_at_the_next_step_and_abort_all_ends_everything():
-    runner = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=1, max_waiting=1)
-    first = runner.submit(engine.Request([1, 2], max_tokens=1000))
+    runner = engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=1, max_waiting=1)
+    first = runner.submit(Request([1, 2], max_tokens=1000))
     runner.step()
-    second = runner.submit(engine.Request([1, 2], max_tokens=1000))
-    with pytest.raises(engine.QueueFull):
-        runner.submit(engine.Request([1, 2]))
+    second = runner.submit(Request([1, 2], max_tokens=1000))
+    with pytest.raises(QueueFull):
+        runner.submit(Request([1, 2]))
     runner.step()
     assert runner.load == (1, 1) and first.completion_tokens >= 2 and second.completion_tokens == 0
     first.cancel()
@@ -518,7 +519,7 @@ def test_packed_linear_computes_nn_linear_whatever_the_number_of_rows(dtype):
             assert not within_bfloat16_rounding(F.linear(x, linear.weight), x, linear).all()
             if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 pytest.skip("oneDNN cannot pack bfloat16 on this CPU (it needs AVX-512)")
-        packed = engine.PackedLinear(linear)
+        packed = packing.PackedLinear(linear)
         whole = packed(x)
         if dtype == "bfloat16":
             assert within_bfloat16_rounding(whole, x, linear).all()
@@ -542,8 +543,8 @@ def test_packed_linear_takes_a_transposed_weight_as_its_row_major_copy(rows):
     assert not transposed.weight.is_contiguous() and torch.equal(transposed.weight, row_major.weight)
     x = torch.randn(5, 64)
     with torch.no_grad():
-        assert torch.equal(engine.PackedLinear(transposed)(x), engine.PackedLinear(row_major)(x))
-        assert torch.equal(engine._contiguous(transposed.weight), row_major.weight)
+        assert torch.equal(packing.PackedLinear(transposed)(x), packing.PackedLinear(row_major)(x))
+        assert torch.equal(packing._contiguous(transposed.weight), row_major.weight)
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=ONEDNN_BF16)])
@@ -558,19 +559,19 @@ def test_prepare_packs_each_matrix_as_it_converts_it_and_keeps_no_unpacked_copy(
         for block in model.blocks:
             block.ffwd.fc.weight = torch.nn.Parameter(block.ffwd.fc.weight.t().contiguous().t())
     expected = copy.deepcopy(model).to(getattr(torch, dtype)).eval()
-    for module, name, linear in engine._linear_layers(expected):
-        setattr(module, name, engine.PackedLinear(linear))
+    for module, name, linear in packing._linear_layers(expected):
+        setattr(module, name, packing.PackedLinear(linear))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # two workers packing at once (each in one thread), whatever this process runs in
     try:
-        prepared = engine.prepare(model, "cpu", dtype)
+        prepared = packing.prepare(model, "cpu", dtype)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
     idx = torch.randint(0, 70, (3, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(prepared(idx)[0], expected(idx)[0])
-    assert sum(isinstance(m, engine.PackedLinear) for m in prepared.modules()) == 4 * 2 + 1
+    assert sum(isinstance(m, packing.PackedLinear) for m in prepared.modules()) == 4 * 2 + 1
     assert [name for name, p in prepared.named_parameters() if p.dim() > 1] == ["tok_emb.weight", "pos_emb.weight"]
     assert {p.dtype for p in prepared.parameters()} == {getattr(torch, dtype)}
 
@@ -585,10 +586,10 @@ def test_linear_layers_are_packed_in_float32_and_in_bfloat16_only_where_the_cpu_
             super().__init__()
             self.bias = linear.bias  # (its weight packed: not a parameter any more)
 
-    monkeypatch.setattr(engine, "PackedLinear", Packed)
-    monkeypatch.setattr(engine, "uses_kernel", lambda dtype: False)  # (our kernels' layers: test_bf16_rows)
+    monkeypatch.setattr(packing, "PackedLinear", Packed)
+    monkeypatch.setattr(packing, "uses_kernel", lambda dtype: False)  # (our kernels' layers: test_bf16_rows)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # oneDNN could pack it
-    model = engine.prepare(small_model(), "cpu", dtype)
+    model = packing.prepare(small_model(), "cpu", dtype)
     packs = dtype == "float32" or cpu_bf16 == torch.bfloat16
     # every linear layer (4 in each of the 2 blocks, and the head) or none
     assert sum(isinstance(m, Packed) for m in model.modules()) == (4 * 2 + 1 if packs else 0)

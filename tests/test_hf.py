@@ -23,7 +23,7 @@ from conftest import assert_one_error_line, assert_one_line, finetune_args, hf_m
 from conftest import run_in_process
 from conftest import train as train_in_process
 import export
-from machinery import checkpoint, convert, engine
+from machinery import checkpoint, convert, packing
 from machinery.configurator import parse
 from machinery.errors import UserError
 from machinery.meta import DatasetMeta
@@ -444,8 +444,8 @@ def test_a_character_model_exports_without_a_tokenizer_and_says_so(tmp_path):
 
 def test_sample_init_from_hf_directory_uses_gpt2_bpe(hf_dir, cpu_bf16, monkeypatch):
     path, _ = hf_dir
-    used, prepare = [], engine.prepare  # the dtype sample.py decodes in
-    monkeypatch.setattr(engine, "prepare", lambda model, device, dtype, **kw: used.append(dtype) or
+    used, prepare = [], packing.prepare  # the dtype sample.py decodes in
+    monkeypatch.setattr(packing, "prepare", lambda model, device, dtype, **kw: used.append(dtype) or
                         prepare(model, device, dtype, **kw))
     prompt, n = "The king said", 12
     tok = GPT2Tokenizer()

@@ -4,7 +4,8 @@ run the model often enough to gain the move back."""
 import pytest
 import torch
 
-from machinery import engine, hugepages
+from machinery import engine, hugepages, model_runner, packing
+from machinery.request import Request
 from test_engine import Tokens, run, small_model
 
 MIB = 1 << 20
@@ -44,27 +45,28 @@ def test_the_engine_moves_every_linear_layers_weight_once_it_has_run_the_model_o
     one: its bytes at least the matrix's) to the move in the background, once; the tokens are those of an engine
     that never moves them."""
     asked = []
-    monkeypatch.setattr(engine, "HUGE_PAGES_AFTER", 12)
+    monkeypatch.setattr(model_runner, "HUGE_PAGES_AFTER", 12)
     monkeypatch.setattr(hugepages, "collapse_in_background", lambda regions: asked.append(list(regions)) or "thread")
-    model = engine.prepare(small_model(), "cpu", "float32")
+    model = packing.prepare(small_model(), "cpu", "float32")
     runner = engine.Engine(model, Tokens(70), max_batch=2)
-    first = run(runner, [engine.Request([1, 2], 5, temperature=0), engine.Request([3], 6, temperature=0)])
-    assert asked == [] and runner.passes == 7 and runner.huge_pages is None  # (the two rows decode in one pass)
-    second = run(runner, [engine.Request([1, 2], 5, temperature=0)])
-    layers = [m for m in model.modules() if isinstance(m, engine.RowsLinear)]
-    assert asked == [[layer.memory() for layer in layers]] and runner.huge_pages == "thread"
-    assert len(layers) == 4 * 2 + 1 and all(isinstance(layer, engine.PackedLinear) for layer in layers)
+    first = run(runner, [Request([1, 2], 5, temperature=0), Request([3], 6, temperature=0)])
+    moving = runner.model_runner
+    assert asked == [] and moving.passes == 7 and moving.huge_pages is None  # (the two rows decode in one pass)
+    second = run(runner, [Request([1, 2], 5, temperature=0)])
+    layers = [m for m in model.modules() if isinstance(m, packing.RowsLinear)]
+    assert asked == [[layer.memory() for layer in layers]] and runner.model_runner.huge_pages == "thread"
+    assert len(layers) == 4 * 2 + 1 and all(isinstance(layer, packing.PackedLinear) for layer in layers)
     assert all(size >= layer.out_features * layer.in_features * 4 for layer, (_, size) in zip(layers, asked[0]))
-    run(runner, [engine.Request([4], 30, temperature=0)])
+    run(runner, [Request([4], 30, temperature=0)])
     assert len(asked) == 1  # once
 
     monkeypatch.undo()  # the real move, in its thread
-    moved = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2)
-    for _ in range(engine.HUGE_PAGES_AFTER // 10 + 1):  # requests too short to move at once, enough to pay for it
-        assert run(moved, [engine.Request([9], 10, temperature=0)])
-    moved.huge_pages.join(timeout=60)
-    assert not moved.huge_pages.is_alive()
-    again = run(moved, [engine.Request([1, 2], 5, temperature=0), engine.Request([3], 6, temperature=0)])
+    moved = engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2)
+    for _ in range(model_runner.HUGE_PAGES_AFTER // 10 + 1):  # requests too short to move at once, enough to pay for it
+        assert run(moved, [Request([9], 10, temperature=0)])
+    moved.model_runner.huge_pages.join(timeout=60)
+    assert not moved.model_runner.huge_pages.is_alive()
+    again = run(moved, [Request([1, 2], 5, temperature=0), Request([3], 6, temperature=0)])
     assert again == first and again[:1] == second
 
 
@@ -73,23 +75,24 @@ def test_a_request_long_enough_to_pay_for_the_move_has_the_weights_moved_at_once
     before it decodes (after its prompt's pass), at once and on the process's threads, not in the background; a
     shorter one leaves them; and the tokens are those of an engine that never moves them."""
     calls, real = [], hugepages.collapse
-    monkeypatch.setattr(engine, "HUGE_PAGES_AFTER", 12)
+    monkeypatch.setattr(model_runner, "HUGE_PAGES_AFTER", 12)
     monkeypatch.setattr(hugepages, "collapse_in_background", lambda regions: calls.append("background") or "thread")
 
     def collapse(regions, threads=1):
-        calls.append((runner.passes, threads))
+        calls.append((runner.model_runner.passes, threads))
         return real(regions, threads)
 
     monkeypatch.setattr(hugepages, "collapse", collapse)
-    runner = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2)
-    short = run(runner, [engine.Request([1, 2], 11, temperature=0)])  # (its prompt's pass gives its first token)
-    assert calls == [] and runner.huge_pages is None and runner.passes == 11
-    long = run(runner, [engine.Request([3], 13, temperature=0)])  # 12 passes to come after its prompt's
-    assert calls == [(12, torch.get_num_threads())] and runner.huge_pages is not None  # (after its prompt's pass)
+    runner = engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2)
+    short = run(runner, [Request([1, 2], 11, temperature=0)])  # (its prompt's pass gives its first token)
+    assert calls == [] and runner.model_runner.huge_pages is None and runner.model_runner.passes == 11
+    long = run(runner, [Request([3], 13, temperature=0)])  # 12 passes to come after its prompt's
+    assert calls == [(12, torch.get_num_threads())]
+    assert runner.model_runner.huge_pages is not None  # (after its prompt's pass)
     monkeypatch.undo()
-    never = engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2)
-    assert run(never, [engine.Request([1, 2], 11, temperature=0)]) == short
-    assert run(never, [engine.Request([3], 13, temperature=0)]) == long and never.huge_pages is None
+    never = engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2)
+    assert run(never, [Request([1, 2], 11, temperature=0)]) == short
+    assert run(never, [Request([3], 13, temperature=0)]) == long and never.model_runner.huge_pages is None
 
 
 def test_collapse_shares_the_pages_out_among_threads_and_backs_the_same_memory():

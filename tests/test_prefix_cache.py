@@ -14,8 +14,9 @@ import time
 import pytest
 import torch
 
-from machinery import decode, engine
+from machinery import decode, engine, packing
 from machinery.prefix_cache import PrefixCache
+from machinery.request import Request
 from test_engine import Tokens, small_model
 
 CHUNK = 8
@@ -23,7 +24,7 @@ CHUNK = 8
 
 @pytest.fixture(scope="module")
 def model():
-    return engine.prepare(small_model(n_embd=32, block_size=48), "cpu", "float32")
+    return packing.prepare(small_model(n_embd=32, block_size=48), "cpu", "float32")
 
 
 class Counting:
@@ -66,7 +67,7 @@ def random_waves(seed):
             prompt = base[:shared] + [rng.randrange(70) for _ in range(rng.randint(0, 12))]
             settings = dict(temperature=rng.choice([0.0, 1.0]), logprobs=rng.choice([None, 2]),
                             echo=rng.random() < 0.2, max_tokens=rng.choice([4, 30]))
-            wave += [engine.Request(prompt, seed=100 + i, **settings) for i in range(rng.choice([1, 1, 3]))]
+            wave += [Request(prompt, seed=100 + i, **settings) for i in range(rng.choice([1, 1, 3]))]
         waves.append(wave)
     return waves
 
@@ -94,7 +95,7 @@ def test_cached_tokens_are_the_whole_chunks_shared_but_the_one_ending_the_prompt
     a = list(range(20))
 
     def cached(prompt, salt=None):
-        _, (g,) = results(runner, [[engine.Request(prompt, max_tokens=1, cache_salt=salt)]])
+        _, (g,) = results(runner, [[Request(prompt, max_tokens=1, cache_salt=salt)]])
         return g.cached_tokens
     assert cached(a) == 0  # chunks 0-7 and 8-15 kept; 16-19 is not a whole chunk
     assert cached(a[:13] + [60] * 17) == 8  # shares 13 tokens: the first chunk
@@ -107,7 +108,7 @@ def test_choices_of_one_request_encode_their_shared_prompt_once(model):
     runner = engine.Engine(model, Tokens(70), max_batch=4, prefill_chunk=CHUNK, prefix_cache_mb=1)
     prompt = list(range(3 * CHUNK + 5))
     counting = Counting(runner)
-    _, gs = results(runner, [[engine.Request(prompt, max_tokens=3, seed=i) for i in range(4)]])
+    _, gs = results(runner, [[Request(prompt, max_tokens=3, seed=i) for i in range(4)]])
     decoded = sum(g.completion_tokens - 1 for g in gs)
     assert counting.tokens - decoded == len(prompt) + 3 * 5  # the others' prompt: their last 5 tokens only
     assert [g.cached_tokens for g in gs] == [0, 24, 24, 24]
@@ -116,11 +117,11 @@ def test_choices_of_one_request_encode_their_shared_prompt_once(model):
 def test_a_finished_turn_is_cached_when_idle_and_the_next_turn_encodes_only_what_is_new(model):
     def conversation(runner):
         turn1 = list(range(30))
-        (events,), _ = results(runner, [[engine.Request(turn1, max_tokens=10, temperature=0)]])
+        (events,), _ = results(runner, [[Request(turn1, max_tokens=10, temperature=0)]])
         while runner.cache_tail():  # (serve.py's engine does this in its thread when it is idle)
             pass
         turn2 = turn1 + [t[0] for t in events] + [7, 7, 7]
-        return results(runner, [[engine.Request(turn2, max_tokens=10, temperature=0, logprobs=1)]])
+        return results(runner, [[Request(turn2, max_tokens=10, temperature=0, logprobs=1)]])
     off = engine.Engine(model, Tokens(70), max_batch=2, prefill_chunk=CHUNK)
     on = engine.Engine(model, Tokens(70), max_batch=2, prefill_chunk=CHUNK, prefix_cache_mb=1)
     (expected,), _ = conversation(off)
@@ -176,13 +177,13 @@ def test_with_16_unread_streams_of_8_choices_a_new_request_completes_and_the_str
     32 for 128 such rows: the same shortage; without parking the new request would wait stall_timeout, 60 s):
     each runs until paused, parks, and gives its slot on."""
     g = torch.Generator().manual_seed(0)
-    requests = [engine.Request(torch.randint(0, 70, (10,), generator=g).tolist(), max_tokens=6, seed=10 * s + i)
+    requests = [Request(torch.randint(0, 70, (10,), generator=g).tolist(), max_tokens=6, seed=10 * s + i)
                 for s in range(16) for i in range(8)]
     runner = engine.Engine(model, Tokens(70), max_batch=4, prefill_chunk=CHUNK, prefix_cache_mb=1)  # 512 blocks
     runner.start()
     try:
         unread = [runner.submit(r, max_backlog=2) for r in requests]  # 128 rows parked in 2 blocks each
-        new = runner.submit(engine.Request([1, 2, 3], max_tokens=5))
+        new = runner.submit(Request([1, 2, 3], max_tokens=5))
         last = None
         while last is None or not last.finish_reason:
             last = new.next_event(timeout=5)
@@ -202,9 +203,9 @@ def test_rows_that_run_long_share_the_slots_in_turn_and_a_new_request_joins_with
     without the cache (each row computed as if alone)."""
     monkeypatch.setattr(engine, "QUANTUM", 4)
     rng = torch.Generator().manual_seed(0)
-    requests = [engine.Request(torch.randint(0, 70, (5,), generator=rng).tolist(), max_tokens=12, seed=s,
-                               temperature=1.0, logprobs=2) for s in range(8)]
-    requests.append(engine.Request([1, 2, 3], max_tokens=2, seed=9))
+    requests = [Request(torch.randint(0, 70, (5,), generator=rng).tolist(), max_tokens=12, seed=s,
+                        temperature=1.0, logprobs=2) for s in range(8)]
+    requests.append(Request([1, 2, 3], max_tokens=2, seed=9))
     runner = engine.Engine(model, Tokens(70), max_batch=4, prefill_chunk=CHUNK, prefix_cache_mb=1)
     long = [runner.submit(r) for r in requests[:-1]]
     for _ in range(2):
@@ -332,7 +333,7 @@ def test_sample_py_chat_encodes_only_each_turns_new_message_and_replies_as_witho
     from machinery import chat, talk
 
     tok = chat.tokenizer()
-    model = engine.prepare(small_model(n_embd=32, block_size=256, vocab_size=tok.vocab_size), "cpu", "float32")
+    model = packing.prepare(small_model(n_embd=32, block_size=256, vocab_size=tok.vocab_size), "cpu", "float32")
     cfg = types.SimpleNamespace(max_new_tokens=12, temperature=0.0, top_k=None, top_p=None, seed=1, stop=None,
                                 stream=False, system="You answer in the manner of a Shakespearean clown. " * 4,
                                 name="tiny")

@@ -13,9 +13,10 @@ from conftest import assert_one_error_line, run_in_process
 import test_engine
 from test_engine import Tokens, run  # (the engine's own tests' helpers: a tokenizer of ids, run to the end)
 import eval as eval_script
-from machinery import checkpoint, engine, quantize
+from machinery import checkpoint, engine, packing, quantize
 from machinery.meta import DatasetMeta
 from machinery.quantize import Int8Linear
+from machinery.request import Request
 from machinery.tokenizer import CharTokenizer
 from model import GPT, GPTConfig
 import sample
@@ -119,26 +120,26 @@ def test_greedy_tokens_under_int8_are_the_uncached_paths(dtype):
     prompt = [1, 5, 9, 2, 7]
     reference = quantize.quantize(model_of(block_size=16).to(getattr(torch, dtype)), "int8")
     expected = reference.generate(torch.tensor([prompt]), 30, temperature=0, use_cache=False)[0, 5:].tolist()
-    prepared = engine.prepare(model_of(block_size=16), "cpu", dtype, quantize="int8")
+    prepared = packing.prepare(model_of(block_size=16), "cpu", dtype, quantize="int8")
     assert isinstance(prepared.lm_head, Int8Linear)
     for use_cache in (True, False):
         runner = engine.Engine(prepared, Tokens(70), use_cache=use_cache)
-        assert run(runner, [engine.Request(prompt, max_tokens=30, temperature=0)]) == [expected]
+        assert run(runner, [Request(prompt, max_tokens=30, temperature=0)]) == [expected]
 
 
 def test_under_int8_a_requests_tokens_do_not_depend_on_the_batch(monkeypatch):
     """tests/test_engine.py's own test of it (8 seeded requests together, each as alone; GPT-2's width), its
     engine's model prepared with int8 weights."""
-    prepare, prepared = engine.prepare, []
-    monkeypatch.setattr(engine, "prepare", lambda *args, **kw: prepared.append(prepare(*args, **kw, quantize="int8"))
+    prepare, prepared = packing.prepare, []
+    monkeypatch.setattr(packing, "prepare", lambda *args, **kw: prepared.append(prepare(*args, **kw, quantize="int8"))
                         or prepared[-1])
     test_engine.test_a_requests_tokens_do_not_depend_on_what_else_runs("float32")
     assert isinstance(prepared[0].blocks[0].ffwd.fc, Int8Linear) and isinstance(prepared[0].lm_head, Int8Linear)
 
 
 def test_under_int8_a_seed_gives_the_same_tokens_again():
-    runner = engine.Engine(engine.prepare(model_of(), "cpu", "float32", quantize="int8"), Tokens(70))
-    requests = [engine.Request([3, 4, 5], max_tokens=16, temperature=1.0, seed=seed) for seed in (7, 7, 8)]
+    runner = engine.Engine(packing.prepare(model_of(), "cpu", "float32", quantize="int8"), Tokens(70))
+    requests = [Request([3, 4, 5], max_tokens=16, temperature=1.0, seed=seed) for seed in (7, 7, 8)]
     first, again, other = run(runner, requests)
     assert first == again != other and run(runner, requests[:1]) == [first]
 
@@ -150,11 +151,11 @@ def test_a_compiled_int8_model_decodes_in_whole_graphs(eager_dynamo):
     the eager engine's. The "eager" backend keeps the test quick: graph breaks are dynamo's, whatever the
     backend. In bfloat16, whose activations the kernel takes as they are (float32 ones are converted first)."""
     prompts = [[1, 5, 9, 2, 7], [3], [4, 4, 8, 1, 1, 6, 2, 9, 3]]  # one at a time: several prompt lengths
-    eager = engine.Engine(engine.prepare(model_of(block_size=16), "cpu", "bfloat16", quantize="int8"), Tokens(70))
-    expected = [run(eager, [engine.Request(p, max_tokens=12, temperature=0)]) for p in prompts]
-    model = engine.prepare(model_of(block_size=16), "cpu", "bfloat16", compile=True, quantize="int8")
+    eager = engine.Engine(packing.prepare(model_of(block_size=16), "cpu", "bfloat16", quantize="int8"), Tokens(70))
+    expected = [run(eager, [Request(p, max_tokens=12, temperature=0)]) for p in prompts]
+    model = packing.prepare(model_of(block_size=16), "cpu", "bfloat16", compile=True, quantize="int8")
     runner = engine.Engine(model, Tokens(70), compile=True)
-    assert [run(runner, [engine.Request(p, max_tokens=12, temperature=0)]) for p in prompts] == expected
+    assert [run(runner, [Request(p, max_tokens=12, temperature=0)]) for p in prompts] == expected
     assert isinstance(model.lm_head, Int8Linear) and eager_dynamo["stats"]["unique_graphs"] >= 1
     # every frame dynamo met compiled whole: nothing it could not trace (a graph break) and no frame left over
     assert not eager_dynamo["unimplemented"] and eager_dynamo["frames"]["total"] == eager_dynamo["frames"]["ok"], \

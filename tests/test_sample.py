@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import assert_one_error_line, make_corpus, run_in_process
-from machinery import checkpoint, engine
+from machinery import checkpoint, engine, packing
 from machinery.errors import UserError
 from machinery.meta import DatasetMeta
 from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -69,8 +69,8 @@ def split_samples(stdout):
 def test_streamed_output_equals_the_batch_output_and_generate(char_ckpt, cpu_bf16, monkeypatch):
     # sample.py's default dtype=auto: bfloat16 weights on a CPU that computes it natively, else float32
     # (both answers in turn, cpu_bf16); the reference runs model.generate in that precision
-    used, prepare = [], engine.prepare
-    monkeypatch.setattr(engine, "prepare", lambda model, device, dtype, **kw: used.append(dtype) or
+    used, prepare = [], packing.prepare
+    monkeypatch.setattr(packing, "prepare", lambda model, device, dtype, **kw: used.append(dtype) or
                         prepare(model, device, dtype, **kw))
     common = ["--start=ROMEO:", "--max_new_tokens=60", "--temperature=0.9", "--top_k=20", "--seed=5"]
     streamed = sample_stdout(char_ckpt, *common, "--num_samples=3", "--stream=True")

@@ -15,7 +15,7 @@ import tiktoken_ext.openai_public
 import torch
 
 from conftest import ROOT, perturb
-from machinery import calibration_cache, engine, tokenizer
+from machinery import calibration_cache, engine, packing, tokenizer
 from machinery.calibration_cache import CalibrationCache
 from model import GPT, GPTConfig
 
@@ -117,7 +117,7 @@ def calibrated_engine(cache, max_batch):
     """An Engine over a small model, packed on this CPU (float32), calibrated with cache."""
     from test_engine import Tokens, small_model
 
-    return engine.Engine(engine.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=max_batch,
+    return engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=max_batch,
                          calibration=cache)
 
 
@@ -134,7 +134,7 @@ def test_calibration_is_measured_once_on_a_machine_and_read_from_its_file_after(
         again = calibrated_engine(CalibrationCache(path), max_batch)
         assert calibrations == [] and again.pass_rows == min(first.pass_rows, max_batch)
         assert {calibration_cache.layer_key(m): m.min_rows for m in again.model.modules()
-                if isinstance(m, engine.RowsLinear)} == rows
+                if isinstance(m, packing.RowsLinear)} == rows
     calibrated_engine(CalibrationCache(path), 12)
     assert len(calibrations) == 5
 
@@ -145,13 +145,13 @@ def test_what_the_file_says_is_what_the_engine_takes(tmp_path, calibrations):
     damaged one, is measured again and written anew."""
     path = tmp_path / "calibration.json"
     probe = calibrated_engine(None, 2)
-    keys = {calibration_cache.layer_key(m) for m in probe.model.modules() if isinstance(m, engine.RowsLinear)}
+    keys = {calibration_cache.layer_key(m) for m in probe.model.modules() if isinstance(m, packing.RowsLinear)}
     layers = {key: {"min_rows": 4, "limit": 3, "measured": 8} for key in keys}
     path.write_text(json.dumps({"machine": calibration_cache.machine(), "layers": layers}))
     calibrations.clear()
     runner = calibrated_engine(CalibrationCache(path), 32)
     assert calibrations == [] and runner.pass_rows == 3
-    assert {m.min_rows for m in runner.model.modules() if isinstance(m, engine.RowsLinear)} == {4}
+    assert {m.min_rows for m in runner.model.modules() if isinstance(m, packing.RowsLinear)} == {4}
     other = dict(calibration_cache.machine(), threads=torch.get_num_threads() + 1)
     damaged = (json.dumps({"machine": other, "layers": layers}), "{not json", json.dumps({"machine": 1}),
                json.dumps({"machine": calibration_cache.machine(), "layers": [1]}),
