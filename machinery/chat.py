@@ -1,21 +1,13 @@
 """
-The chat format: how a conversation becomes token ids, and which of them a model learns to write.
-
-A conversation is a list of messages {"role": "system" | "user" | "assistant", "content": text}, as OpenAI's
-API, TRL and most datasets on the Hugging Face hub write it. In token ids (TEMPLATE, for GPT-2 BPE models):
-
-    <|endoftext|> <|system_start|> ... <|system_end|> <|user_start|> ... <|user_end|> <|assistant_start|> ...
-    <|assistant_end|> <|user_start|> ...
-
-<|endoftext|> begins it (as a document of GPT-2's training data); each message is its content between its
-role's two special tokens, which take spare ids of GPT-2's padded vocabulary (50257.., under vocab_size 50304:
-no embedding grows); a BPE learned here (machinery/bpe.py) reserves them at the top of its own vocabulary. The content is encoded as ordinary text, so text that looks like a special token stays
-text: a user cannot write a turn of the assistant. The loss mask is 1 on the assistant's content and its
-<|assistant_end|> (what the model learns to write, and where it stops), 0 elsewhere. A reply is generated
-after <|assistant_start|> (add_generation_prompt) and ends at <|assistant_end|>.
-
-This module is the one place that writes the format: prepare.py, train.py, sample.py, serve.py and export.py
-(jinja_template: the same format for Hugging Face's apply_chat_template) ask it.
+The chat formats: how a conversation ({"role": "system" | "user" | "assistant", "content": text} messages, as OpenAI's
+API, TRL and the hub's datasets write them) becomes token ids, and which of them a model learns to write. A chat
+model's format (TEMPLATE, GPT-2 BPE): <|endoftext|>, then each message's content between its role's two special
+tokens (spare ids of GPT-2's padded vocabulary, or the top of a BPE learned here: machinery/bpe.py), the content
+encoded as ordinary text (a user cannot write the assistant's turn); the loss mask is 1 on the assistant's content
+and its <|assistant_end|>, where a reply ends. A base model's (BASE_TEMPLATE, for serve.py's chat): the messages as a
+plain dialogue, the reply ending where the next "User:" line would begin. The one place that writes either: prepare.py,
+train.py, sample.py, serve.py and export.py (jinja_template, for Hugging Face's apply_chat_template) ask it.
+Not owned: a reply's prompt within the context and its stop tokens (machinery/talk.py).
 """
 
 from machinery.errors import UserError
@@ -99,3 +91,23 @@ def jinja_template(mask=True):
             + reply + "{% else %}{{ '<|' + message['role'] + '_start|>' + message['content'] + '<|' + "
             "message['role'] + '_end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant_start|>"
             "{% endif %}")
+
+
+# The chat template of base models (never trained on a chat format; a chat model has its own, TEMPLATE): the messages
+# as a plain dialogue, and the answer stops where the next turn would begin (BASE_STOP)
+BASE_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+                 "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
+                 "{% else %}Assistant: {{ m['content'] }}\n{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}Assistant:{% endif %}")
+BASE_STOP = "\nUser:"
+_base_template = None
+
+
+def base_template():
+    """BASE_TEMPLATE compiled, in Jinja's sandbox (a request's messages are rendered by it)."""
+    global _base_template
+    if _base_template is None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        _base_template = ImmutableSandboxedEnvironment().from_string(BASE_TEMPLATE)
+    return _base_template

@@ -9,7 +9,7 @@ import openai
 import pytest
 import torch
 
-from machinery import openai_api
+from machinery import openai_responses
 from machinery.tokenizer import GPT2Tokenizer
 from test_serve import HTTP, NAME, TOL, ckpt_dir, client, post, reference_logprobs, serving  # noqa: F401
 
@@ -57,7 +57,7 @@ def test_chat_logprobs_are_the_models_log_softmax_with_bytes_and_top_alternative
 def test_chat_logprobs_bytes_of_a_bpe_token_that_splits_a_character_are_its_own():
     tokenizer = GPT2Tokenizer()
     ids = tokenizer.encode("日本")  # (GPT-2's BPE splits these characters' UTF-8 bytes among tokens)
-    pieces = [openai_api.scored(tokenizer, i, -1.0) for i in ids]
+    pieces = [openai_responses.scored(tokenizer, i, -1.0) for i in ids]
     assert len(ids) > 2 and sum((p["bytes"] for p in pieces), []) == list("日本".encode("utf-8"))
 
 

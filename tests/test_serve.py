@@ -23,7 +23,7 @@ from openai import DefaultHttpx2Client, OpenAI
 import sample
 import serve
 from conftest import TAUGHT, free_port, kill_tree, make_corpus, run_in_process, runs, script_zygote, wait_for_line
-from machinery import chat, checkpoint, configurator, engine, openai_api
+from machinery import chat, checkpoint, configurator, engine, openai_api, openai_responses
 from machinery.meta import DatasetMeta
 from machinery.tokenizer import CharTokenizer
 from model import GPT, GPTConfig
@@ -648,7 +648,7 @@ def test_an_api_key_is_required_on_every_route_but_the_page_and_health(ckpt_dir)
 def test_tokenizer_over_http_as_vllm_serves_it(server):
     info = HTTP.get(f"{server.url}/tokenizer_info", timeout=30).json()
     assert info["eos_token"] is None and info["model_max_length"] == 64
-    assert info["chat_template"] == openai_api.CHAT_TEMPLATE
+    assert info["chat_template"] == chat.BASE_TEMPLATE
     tokens = HTTP.post(f"{server.url}/tokenize", json={"prompt": "KING", "add_special_tokens": False}).json()
     assert tokens["tokens"] == server.tokenizer.encode("KING") and tokens["count"] == 4
     assert HTTP.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "KING"}
@@ -807,14 +807,14 @@ def test_the_web_page_holds_a_conversation_with_a_chat_model(chat_server, browse
 
 
 def test_the_events_of_one_engine_step_wake_the_loop_once_and_every_one_is_set():
-    """openai_api.Waker: 32 requests' events set from another thread (as the engine's step emits a token for each)
-    take one call into the loop; the next one, after the loop ran it, another."""
+    """openai_responses.Waker: 32 requests' events set from another thread (as the engine's step emits a token for
+    each) take one call into the loop; the next one, after the loop ran it, another."""
     loop = asyncio.new_event_loop()
     calls = []
     call = loop.call_soon_threadsafe
     loop.call_soon_threadsafe = lambda f: calls.append(f) or call(f)
     try:
-        waker = openai_api.Waker(loop)
+        waker = openai_responses.Waker(loop)
         events = [asyncio.Event() for _ in range(33)]
         step = threading.Thread(target=lambda: [waker.wake(e) for e in events[:32]])
         step.start()

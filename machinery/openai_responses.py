@@ -1,0 +1,215 @@
+"""
+The answers of serve.py's HTTP API, as OpenAI writes them: a choice being generated from the engine's Token events
+(Completion: its text, its logprobs as completions and chat write them, its end), a request's choices as their
+events arrive (Choices, woken from the engine's thread by a Waker), the whole response (completion_body, usage) or
+its stream of server-sent events (stream): a chunk a token text, then each choice's end (a chunk without text that
+carries finish_reason), usage when asked, [DONE]; a choice that fails in the engine ends a stream with an error
+event. A client that hangs up cancels its choices.
+Not owned: reading the request (openai_requests.py), the routes (openai_api.py).
+"""
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+
+from machinery.errors import first_line
+from machinery.openai_requests import APIError
+
+
+class Completion:
+    """One choice being generated: its text, logprobs (as OpenAI writes them: completions' four lists, chat's
+    content entries) and end, from Token events."""
+
+    def __init__(self, server, generation, index, chat=False):
+        self.server, self.generation, self.index, self.chat = server, generation, index, chat
+        self.text, self.finish_reason = "", None
+        self.logprobs = {"content": []} if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                      "text_offset": []}
+        self.prompt_ids, self.offset = [], 0
+
+    def add(self, token):
+        """Take a Token; return the text it adds to the choice (with echo: the prompt's, at its last token)."""
+        tokenizer, request = self.server.tokenizer, self.generation.request
+        added = token.text
+        if token.prompt:  # the echoed prompt, decoded whole when complete (BPE tokens can split characters)
+            self.prompt_ids.append(token.id)
+            added = tokenizer.decode(self.prompt_ids) if len(self.prompt_ids) == self.generation.prompt_tokens else ""
+        if token.id is not None and request.logprobs is not None:
+            self.score(token, request)
+        self.text += added
+        self.finish_reason = token.finish_reason
+        return added
+
+    def score(self, token, request):
+        """Add token's log-probability and its top alternatives. Chat's entries are the reply's tokens: an end of
+        turn (a stop token, not part of the text) is not one, as in OpenAI's."""
+        tokenizer = self.server.tokenizer
+        if self.chat:
+            if not (token.finish_reason == "stop" and token.id in request.stop_tokens):
+                entry = scored(tokenizer, token.id, token.logprob)
+                entry["top_logprobs"] = [scored(tokenizer, i, lp) for i, lp in token.top]
+                self.logprobs["content"].append(entry)
+            return
+        piece = tokenizer.decode([token.id])
+        top = {tokenizer.decode([i]): lp for i, lp in token.top} if token.top is not None else None
+        for key, value in (("tokens", piece), ("token_logprobs", token.logprob), ("top_logprobs", top),
+                           ("text_offset", self.offset)):
+            self.logprobs[key].append(value)
+        self.offset += len(piece)
+
+    def choice(self):
+        """This choice in a whole response. A base model's reply loses the spaces that follow chat.BASE_TEMPLATE's
+        "Assistant:"; a chat model's is its text as written."""
+        logprobs = self.logprobs if self.generation.request.logprobs is not None else None
+        if self.chat:
+            content = self.text if self.server.chat_format else self.text.lstrip()
+            return {"index": self.index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
+                    "finish_reason": self.finish_reason}
+        return {"index": self.index, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+
+    def delta(self, text, logprobs=None):
+        """This choice in a stream chunk: text and the logprobs of its tokens, or (text None) its end, as OpenAI's
+        streams end: a chunk of no text that carries finish_reason."""
+        logprobs = logprobs if text is not None and self.generation.request.logprobs is not None else None
+        finish_reason = self.finish_reason if text is None else None
+        if self.chat:
+            return {"index": self.index, "delta": {} if text is None else {"content": text}, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
+        return {"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def scored(tokenizer, token_id, logprob):
+    """A token in chat's logprobs: its text, log-probability and UTF-8 bytes (a byte-level BPE token can be part of
+    a character: its text alone is U+FFFD, its bytes are what the client joins)."""
+    return {"token": tokenizer.decode([token_id]), "logprob": logprob, "bytes": list(tokenizer.token_bytes(token_id))}
+
+
+def usage(completions):
+    prompt = sum(c.generation.prompt_tokens for c in completions)
+    done = sum(c.generation.completion_tokens for c in completions)
+    cached = sum(c.generation.cached_tokens for c in completions)  # taken from the prefix cache, not encoded
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class Waker:
+    """Sets asyncio Events of one loop from the engine's thread. The events of one engine step (one for each running
+    request) take one call into the loop (a write to its wake-up pipe, and the GIL handed over), not one each."""
+
+    def __init__(self, loop):
+        self.loop, self.lock, self.pending, self.scheduled = loop, threading.Lock(), [], False
+
+    def wake(self, event):
+        with self.lock:
+            self.pending.append(event)
+            if self.scheduled:
+                return  # (the loop has yet to run the call scheduled for those before: it sets this one too)
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._set)
+        except RuntimeError:  # the loop has closed (the server stops): no later event waits for this one
+            with self.lock:
+                self.scheduled = False
+            raise
+
+    def _set(self):
+        with self.lock:
+            events, self.pending, self.scheduled = self.pending, [], False
+        for event in events:
+            event.set()
+
+
+class Choices:
+    """The choices of one request as they are generated: their Completions, and their Tokens as they arrive."""
+
+    def __init__(self, completions, wake):
+        self.completions, self.wake = completions, wake
+
+    async def events(self, hung_up=None):
+        """(Completion, Token) as they arrive, until every choice has ended. hung_up: an async callable, asked
+        twice a second; when it answers True the choices are cancelled and this ends."""
+        asked = time.monotonic()
+        while not all(c.finish_reason for c in self.completions):
+            if hung_up is not None and time.monotonic() - asked > 0.5:
+                if await hung_up():
+                    self.cancel()
+                    return
+                asked = time.monotonic()
+            self.wake.clear()  # (before taking: an event emitted after the take sets it again)
+            arrived = [(c, token) for c in self.completions for token in c.generation.take()]
+            for c, token in arrived:
+                yield c, token  # (the caller adds it to c before the loop asks whether every choice has ended)
+            if not arrived:
+                try:
+                    await asyncio.wait_for(self.wake.wait(), 0.5 if hung_up else None)
+                except asyncio.TimeoutError:
+                    pass
+
+    def failure(self):
+        """The APIError of the first choice that failed in the engine, or None."""
+        failed = next((c for c in self.completions if c.finish_reason == "error"), None)
+        return None if failed is None else APIError(500, failed.generation.error, None, "generation_failed",
+                                                    "server_error")
+
+    def cancel(self):
+        for c in self.completions:
+            c.generation.cancel()
+
+
+def response_id(chat):
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+async def collect(choices, hung_up):
+    """Wait until every choice has ended (or the client has hung up: then they are cancelled)."""
+    async for c, token in choices.events(hung_up):
+        c.add(token)
+
+
+async def stream(server, choices, chat, include_usage):
+    """Server-sent events: a chunk per token text (or logprobs) of any choice as it arrives, then each
+    choice's end, then usage (when asked), then [DONE]; a choice that fails in the engine ends the stream with
+    an error event instead. A client that hangs up cancels every choice."""
+    rid, created, completions = response_id(chat), int(time.time()), choices.completions
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices, **extra):  # (with include_usage, every chunk but the last says "usage": null, as OpenAI's)
+        return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": server.name,
+                                      "choices": choices, **({"usage": None} if include_usage else {}),
+                                      **extra}) + "\n\n"
+
+    try:
+        if chat:
+            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for c in completions])
+        started = [False] * len(completions)
+        async for c, token in choices.events():
+            before = {k: len(v) for k, v in c.logprobs.items()}
+            text = c.add(token)
+            if token.finish_reason == "error":
+                raise choices.failure()
+            if chat and not server.chat_format and not started[c.index]:  # (as Completion.choice)
+                text = text.lstrip()
+                started[c.index] = bool(text)
+            logprobs = {k: v[before[k]:] for k, v in c.logprobs.items()}
+            if text or any(logprobs.values()):
+                yield chunk([c.delta(text, logprobs)])
+            if c.finish_reason:
+                yield chunk([c.delta(None)])
+        if include_usage:
+            yield chunk([], usage=usage(completions))
+    except Exception as e:  # the status line is sent already: the error goes in the stream, which still ends
+        error = e if isinstance(e, APIError) else APIError(500, f"the server failed: {first_line(e)}", None,
+                                                           "internal_error", "server_error")
+        yield "data: " + json.dumps(error.body()) + "\n\n"
+    finally:
+        choices.cancel()
+    yield "data: [DONE]\n\n"
+
+
+def completion_body(server, completions, chat):
+    return {"id": response_id(chat), "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": server.name, "choices": [c.choice() for c in completions],
+            "usage": usage(completions)}
