@@ -7,35 +7,31 @@ or data-parallel over many GPUs / nodes with torchrun:
 
     torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py
 
-Every setting is a field of TrainConfig below; `python train.py --help` lists them.
-Read it top to bottom: the settings, main(), then the Trainer: its setup, the loop, and
-the loop's named steps (evaluate_and_checkpoint, optimizer_step). What the loop decides
-from the step and the settings alone is a plain function at the end: when to evaluate
-(eval_due) and to save (save_due), and the evaluation itself (split_losses). The
-learning-rate schedule is optimizers.get_lr, a function of the step and the settings too;
-what a checkpoint records, checkpoint.training_state and resume_state.
+Every setting is a field of TrainConfig below; `python train.py --help` lists them. Read it top to bottom: the
+settings, main(), then the Trainer: its setup, the loop, and the loop's named steps (evaluate_and_checkpoint,
+optimizer_step). When the loop evaluates or saves, and the evaluation itself, are machinery/evaluation.py's; the
+learning-rate schedule is optimizers.get_lr; what a checkpoint records, checkpoint.training_state and resume_state.
 """
 
-import math
 import os
-import random
 import time
 from dataclasses import dataclass, fields
 from typing import Optional
 
 import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
 
-import numpy as np
 import torch
 
-from machinery import (chat, checkpoint, configurator, conversations, convert, dataset, distributed, lora, meta,
-                       outdir, step_graph)
+from machinery import (chat, checkpoint, compile_trial, configurator, conversations, convert, dataset, distributed,
+                       lora, meta, outdir, step_graph)
 from machinery.configurator import setting
 from machinery.dataset import DATA_DIR
-from machinery.errors import UserError, first_line, run_main
+from machinery.errors import UserError, run_main
+from machinery.evaluation import eval_due, save_due, split_losses
 from machinery.hardware import (autocast, describe, device_setting, dtype_setting, enable_tf32, grad_scaler,
-                                peak_flops, pick_device, pick_dtype)
+                                peak_flops, pick_dtype)
 from machinery.metrics import Metrics
+from machinery.nonfinite import NonFinite
 from machinery.scoring import TrainingHellaSwag
 from model import GPT, GPTConfig
 from optimizers import POLAR_EXPRESS, build_optimizer, set_schedule
@@ -136,19 +132,15 @@ class TrainConfig:
             raise UserError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if self.min_lr < 0 or self.min_lr > self.learning_rate:
             raise UserError(f"min_lr must be between 0 and learning_rate, got {self.min_lr}")
-        for name, allowed in (("optimizer", ("adamw", "muon")), ("parallel", ("ddp", "fsdp")),
-                              ("chat_loss", conversations.LEARN),
-                              ("muon_ns_steps", range(1, len(POLAR_EXPRESS) + 1))):
-            if getattr(self, name) not in allowed:
-                raise UserError(f"{name} must be one of {', '.join(map(str, allowed))}, got {getattr(self, name)!r}")
+        configurator.check_choice(self, optimizer=("adamw", "muon"), parallel=("ddp", "fsdp"),
+                                  chat_loss=conversations.LEARN, muon_ns_steps=range(1, len(POLAR_EXPRESS) + 1))
         try:
             # (the vocabulary is the dataset's, not known yet: GPT-2's stands in)
             self.gpt_config(self.vocab_size or meta.DatasetMeta.gpt2().model_vocab_size).validate()
         except ValueError as e:
             raise UserError(str(e)) from None
         lora.LoRASettings.of(self)  # (one-line errors)
-        if self.cuda_graph and not (device := pick_device(self.device)).startswith("cuda"):
-            raise UserError(f"cuda_graph needs a CUDA device (--device=cuda); this run is on {device}")
+        step_graph.check_setting(self)
         if self.init_from not in ("scratch", "resume"):
             convert.find_pretrained(self.init_from)  # GPT-2 weights: a clear error for a bad name or path
 
@@ -203,13 +195,10 @@ class Trainer:
                                          (cfg.beta1, cfg.beta2), self.device_type, muon_lr=cfg.muon_lr,
                                          muon_ns_steps=cfg.muon_ns_steps, compile=self.use_compile)
         self.scaler = grad_scaler(self.device_type, self.dtype)  # float16's; a no-op for other dtypes
-        # a non-finite loss is recorded on the device (no sync every step) and checked when logging/saving
-        self.nonfinite_at = torch.full((), -1, dtype=torch.long, device=self.device)
+        self.nonfinite = NonFinite(self.device, cfg.out_dir)  # marked on the device, checked when logging/saving
         self.train_sampler = self._sampler()
         self.batch_state = self.train_sampler.state_dict()  # (the sampler's state before the batch fetched last)
-        torch.manual_seed(cfg.seed + self.world.rank)  # dropout differs between ranks
-        random.seed(cfg.seed + self.world.rank)
-        np.random.seed(cfg.seed + self.world.rank)
+        distributed.seed_rank(cfg.seed, self.world)  # dropout differs between ranks
         self.iter_num, self.best_val_loss, self.wandb_run_id, self.saved_at = 0, float("inf"), None, {}
         self.resumed_from, self.metrics = None, None  # (the metrics are opened when training starts)
         self.flops_peak, self.running_mfu = peak_flops(self.device), -1.0  # for MFU, on GPUs we know
@@ -277,11 +266,10 @@ class Trainer:
     def evaluate_and_checkpoint(self, lr):
         """Losses (and HellaSwag when due), logged; best.pt if val improves, ckpt.pt as always_save_checkpoint asks."""
         cfg = self.cfg
-        self.check_finite(sync=True)
+        self.nonfinite.check(sync=True)
         losses = self.estimate_loss()
         self.log(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        if not math.isfinite(losses["val"]):
-            raise UserError(f"validation loss is not finite at iteration {self.iter_num}; stopping without saving")
+        self.nonfinite.check_val(losses["val"], self.iter_num)
         hellaswag = self.hellaswag(self.iter_num, self.raw_model)  # (every rank: the examples are split over them)
         if self.metrics:
             mfu = {"mfu": self.running_mfu * 100} if self.running_mfu >= 0 else {}  # -1 until measured (GPUs)
@@ -323,8 +311,7 @@ class Trainer:
             # the mean over micro-steps (DDP averages over ranks); chat data: weighed by its targets
             loss = loss / self.accum if self.token_mean is None else self.token_mean.weigh(loss, y)
         if not self.scaler.is_enabled():  # with fp16 the GradScaler skips bad steps instead
-            bad = ~torch.isfinite(loss.detach())
-            self.nonfinite_at.copy_(torch.where(bad & (self.nonfinite_at < 0), iteration, self.nonfinite_at))
+            self.nonfinite.mark(loss, iteration)
         self.scaler.scale(loss).backward()
         return loss
 
@@ -340,7 +327,7 @@ class Trainer:
         return loss
 
     def log_iteration(self, loss, dt, lr, local_iter):
-        self.check_finite()
+        self.nonfinite.check()
         # the last micro-batch's loss, or a chat step's (syncs with the device)
         lossf = loss.item() * (self.accum if self.token_mean is None else 1)
         line = f"iter {self.iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, tok/s {self.tokens_per_iter / dt:,.0f}"
@@ -359,11 +346,9 @@ class Trainer:
 
     def save(self, which):
         """Write ckpt.pt (full state) or best.pt (weights); every rank must call it (state is gathered)."""
-        self.check_finite(sync=True)
+        self.nonfinite.check(sync=True)
         weights = checkpoint.model_state(self.raw_model)
-        # a finite loss can still come with an overflowing gradient that turned the weights into NaN
-        if not all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
-            raise UserError(f"the weights became NaN or infinite by iteration {self.iter_num}; {self._no_save}")
+        self.nonfinite.check_weights(weights, self.iter_num)
         state = checkpoint.training_state(weights, self.model_config, self.cfg, self.data_meta, self.iter_num,
                                           self.best_val_loss, self.lora)
         if which == checkpoint.LATEST:
@@ -377,17 +362,6 @@ class Trainer:
             if self.lora:  # (LoRA saves the adapters, and in ckpt.pt their optimizer state: megabytes for GPT-2)
                 self.log(f"saved {path}: {os.path.getsize(path) / 1e6:.2f} MB")
         self.saved_at[which] = self.iter_num
-
-    def check_finite(self, sync=False):
-        """Stop (without saving) once a non-finite loss has been seen; with sync (every rank calls it): on any rank."""
-        bad = int((distributed.all_reduce(self.nonfinite_at.clone(), op="max") if sync else self.nonfinite_at).item())
-        if bad >= 0:
-            raise UserError(f"the loss became NaN or infinite in iteration {bad}; {self._no_save}")
-
-    @property
-    def _no_save(self):
-        return (f"stopping without saving, the last good checkpoint in {self.cfg.out_dir} is untouched (try a "
-                f"lower learning_rate, grad_clip, or dtype=bfloat16)")
 
     def next_batch(self):
         self.batch_state = self.train_sampler.state_dict()
@@ -445,84 +419,17 @@ class Trainer:
         self.resumed_from = self.iter_num
         if ckpt.scaler_state and self.scaler.is_enabled():
             self.scaler.load_state_dict(ckpt.scaler_state)
-        written_by = ckpt.restore_rank(self.world, self.train_sampler)
-        if written_by is not None and written_by != self.world.size:
-            self.log(f"note: checkpoint was written by {written_by} processes, now {self.world.size}: "
-                     f"data order and dropout are reseeded")
-        starts = distributed.gather_objects(self.iter_num, self.world)
-        if len(set(starts)) > 1:
-            raise UserError(f"the processes resumed from different checkpoints (iterations {starts}); out_dir must "
-                            f"be one shared directory, or hold the same {checkpoint.LATEST}, on every node")
+        distributed.check_resumed_together(self.iter_num, ckpt.restore_rank(self.world, self.train_sampler), self.world,
+                                           ckpt.path, self.log)
         self.log(f"resuming from {self.cfg.out_dir}/{checkpoint.LATEST} at iteration {self.iter_num}")
 
     def _wrap(self, model):
-        cfg = self.cfg
-        if self.world.distributed and cfg.parallel == "ddp":
+        """DDP's replicas under torchrun, then torch.compile where the run compiles (unless the compiler fails)."""
+        if self.world.distributed and self.cfg.parallel == "ddp":
             model = distributed.replicate(model, self.world, self.device_type)
-        return self._try_compile(model) if self.use_compile else model
-
-    def _try_compile(self, model):
-        """torch.compile, checked on one forward/backward; on failure warn once and go on uncompiled."""
-        compiled = torch.compile(model)
-        saved = checkpoint.rank_state(self.train_sampler.state_dict())  # the trial must not shift data or dropout
-        try:
-            x, y = self.train_sampler.next()
-            with self.autocast:
-                _, loss = compiled(x, y)
-            loss.backward()
-            return compiled
-        except Exception as e:  # compilers fail in many ways; training can still go on
-            self.log(f"warning: torch.compile failed ({type(e).__name__}: {first_line(e)}); training without it")
+        if not self.use_compile:
             return model
-        finally:
-            self.optimizer.zero_grad(set_to_none=True)
-            checkpoint.restore_rank_state(saved, self.train_sampler)
-
-
-# ---------------------------------------------------------------------- the loop's decisions, as plain functions
-
-
-def eval_due(iter_num, local_iter, cfg):
-    """Whether the loop evaluates (and checkpoints) before step iter_num, the local_iter-th of this process.
-    Every eval_interval steps (before the first one only with eval_at_start), after the last, and with eval_only."""
-    return iter_num % cfg.eval_interval == 0 and (local_iter > 0 or cfg.eval_at_start) \
-        or iter_num >= cfg.max_iters or cfg.eval_only
-
-
-def save_due(iter_num, cfg):
-    """Whether ckpt.pt is written right after step iter_num, besides evaluations and signals: every ckpt_interval
-    steps and after the last, so saving never waits for an evaluation (which could fail)."""
-    return iter_num == cfg.max_iters or bool(cfg.ckpt_interval and iter_num % cfg.ckpt_interval == 0)
-
-
-@torch.no_grad()
-def split_losses(model, dataset, generator, cfg, device, autocast, world):
-    """The mean loss of each split over its target tokens, {"train": ..., "val": ...}, over every rank's batches.
-    eval_iters random batches of each split, drawn with generator (as in nanoGPT, the training batches' stream: a
-    resumed run, which evaluates again at its first step, draws the same ones), split over the ranks, every rank
-    the same number (an FSDP forward is a collective); with eval_whole_val, the whole val split in order."""
-    model.eval()
-    out = {}
-    for split, data in (("train", dataset.train), ("val", dataset.val)):
-        if split == "val" and cfg.eval_whole_val:
-            batches = conversations.split_batches(data, cfg.batch_size, cfg.block_size, device, world.rank,
-                                                  world.size)
-        else:
-            sampler = conversations.batch_sampler(data, cfg.batch_size, cfg.block_size, generator, device)
-            batches = (sampler.next() for _ in range(math.ceil(cfg.eval_iters / world.size)))
-        totals = torch.zeros(2, device=device, dtype=torch.float64)  # loss summed over the targets, targets
-        for x, y in batches:
-            with autocast:
-                _, loss = model(x, y)
-            # loss is the mean over the batch's targets (-1: none), which vary: the whole split's last batch can be
-            # smaller, a chat batch's rows hold conversations of any length
-            targets = (y >= 0).sum()
-            totals[0] += loss.double() * targets
-            totals[1] += targets
-        totals = distributed.all_reduce(totals)
-        out[split] = (totals[0] / totals[1]).item()
-    model.train()
-    return out
+        return compile_trial.compiled_or_eager(model, self.train_sampler, self.optimizer, self.autocast, self.log)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,13 @@ def check_not_negative(cfg, *names):
             raise UserError(f"{name} must not be negative, got {value}")
 
 
+def check_choice(cfg, **allowed):
+    """A one-line error for the first of cfg's settings (name=its allowed values) whose value is not allowed."""
+    for name, values in allowed.items():
+        if getattr(cfg, name) not in values:
+            raise UserError(f"{name} must be one of {', '.join(map(str, values))}, got {getattr(cfg, name)!r}")
+
+
 def _type_name(tp):
     if typing.get_origin(tp) is typing.Union:
         return " | ".join("None" if a is type(None) else a.__name__ for a in typing.get_args(tp))

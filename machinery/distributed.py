@@ -1,18 +1,21 @@
 """
 Data-parallel training under torchrun: joining the job, wrapping the model (DDP replicates
-it, FSDP shards it), skipping the gradient sync on all but the last micro-step, the few
-collectives the training loop needs, and stopping every rank together (StopFlag). In a
-single process everything here is a no-op, but for StopFlag's Ctrl-C.
+it, FSDP shards it), skipping the gradient sync on all but the last micro-step, each rank's
+seeds, the few collectives the training loop needs (and a resume's check that every rank
+resumed together), and stopping every rank together (StopFlag). A single process is rank 0
+of 1: no collective, nothing to wrap, but StopFlag's Ctrl-C.
 
     torchrun --standalone --nproc_per_node=8 train.py ...   (NCCL on GPUs, gloo on CPUs)
 """
 
 import gc
 import os
+import random
 import signal
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from machinery.errors import UserError
@@ -79,6 +82,26 @@ def micro_steps(gradient_accumulation_steps, world):
         raise UserError(f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be divisible by "
                         f"the number of processes ({world.size})")
     return gradient_accumulation_steps // world.size
+
+
+def seed_rank(seed, world):
+    """Every RNG of this process seeded for its rank (after the model's initialisation): dropout differs between
+    ranks."""
+    torch.manual_seed(seed + world.rank)
+    random.seed(seed + world.rank)
+    np.random.seed(seed + world.rank)
+
+
+def check_resumed_together(iter_num, written_by, world, path, log):
+    """After a resume from the checkpoint at path: every rank resumed it at the same iteration (a one-line error
+    otherwise), and a note where another number of processes wrote it (written_by; None: it does not say)."""
+    if written_by is not None and written_by != world.size:
+        log(f"note: checkpoint was written by {written_by} processes, now {world.size}: data order and dropout are "
+            f"reseeded")
+    starts = gather_objects(iter_num, world)
+    if len(set(starts)) > 1:
+        raise UserError(f"the processes resumed from different checkpoints (iterations {starts}); out_dir must be one "
+                        f"shared directory, or hold the same {os.path.basename(path)}, on every node")
 
 
 def all_reduce(tensor, op="sum"):

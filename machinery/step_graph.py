@@ -1,25 +1,21 @@
 """
-train.py's whole training step as one CUDA graph, replayed every step. A small model's step is bound by launching
-its kernels from Python (hundreds a micro-step, the optimizer's too), not by the GPU's arithmetic; a replay launches
-them all at once. Owned here:
-
-- decide(): whether the graph applies (--cuda_graph; CUDA, one process, no float16, batches of one shape), and why
-  not, in one line;
-- GraphedStep: the static inputs (one x and one y per micro-step) that each step's batches are copied into, the
-  step's numbers (the learning rate, Muon's momentum: optimizers.DeviceNumbers) filled in place, and the graph of
-  Trainer.micro_step (forward, backward, the non-finite mark) for every micro-batch, then Trainer.update (clipping,
-  the optimizer), captured at the first step and replayed at every step after;
-- the warm-up before the capture (lazy state, compilation and cuBLAS's workspaces are made there, not inside it),
-  and snapshot/restore, which put the weights, the optimizer's state, the non-finite mark, every RNG and the batch
-  sampler back as they were before it: a graphed run computes exactly the steps an eager run computes.
-
+train.py's whole training step as one CUDA graph, replayed every step: a small model's step is bound by launching
+its kernels from Python (hundreds a micro-step, the optimizer's too), not by the GPU's arithmetic. Owned here:
+- check_setting() and decide(): whether the graph applies (--cuda_graph; CUDA, one process, no float16, batches of
+  one shape), and why not, in one line;
+- GraphedStep: the static inputs each step's batches are copied into, the step's numbers (the learning rate, Muon's
+  momentum: optimizers.DeviceNumbers) filled in place, and the graph of Trainer.micro_step for every micro-batch,
+  then Trainer.update, captured at the first step after a warm-up (lazy state, compilation, cuBLAS's workspaces);
+- snapshot/restore, which put back what the warm-up and capture changed (the weights, the optimizer's state, the
+  non-finite mark, every RNG, the batch sampler): a graphed run computes exactly the steps an eager run computes.
 A capture that fails says so in one line and training goes on eagerly, as machinery/decode.py's FixedStep does.
 """
 
 import torch
 
 from machinery import checkpoint
-from machinery.errors import first_line
+from machinery.errors import UserError, first_line
+from machinery.hardware import pick_device
 from optimizers import DeviceNumbers
 
 # what a run says when its step runs without the graph (a failed capture, or where the graph cannot apply)
@@ -30,7 +26,7 @@ WARMUP_STEPS = 2  # the first makes the lazy state (optimizer, compilation, work
 def decide(asked, device_type, distributed, parallel, dtype, chat):
     """Whether train.py's step runs as one CUDA graph, from the setting cuda_graph (asked: None for auto, True,
     False) and the run. Returns (on, note): note is the one line to log where the graph cannot apply on CUDA; None
-    when it is on, off as asked, or off CUDA (where True is refused by TrainConfig.validate)."""
+    when it is on, off as asked, or off CUDA (where True is refused by check_setting)."""
     if asked is False or device_type != "cuda":
         return False, None
     why = None
@@ -43,6 +39,12 @@ def decide(asked, device_type, distributed, parallel, dtype, chat):
     elif chat:
         why = "a chat dataset: its batches change shape, each padded to its longest conversation"
     return why is None, why and f"{EAGER_NOTE} ({why})"
+
+
+def check_setting(cfg):
+    """cuda_graph=True refused in one line off CUDA (TrainConfig.validate, before anything starts)."""
+    if cfg.cuda_graph and not (device := pick_device(cfg.device)).startswith("cuda"):
+        raise UserError(f"cuda_graph needs a CUDA device (--device=cuda); this run is on {device}")
 
 
 def build(trainer):
@@ -159,7 +161,7 @@ def snapshot(trainer):
     return {"tensors": [t.detach().clone() for t in (*model.parameters(), *model.buffers())],
             "optimizer": {p: {key: value.clone() for key, value in state.items()}
                           for p, state in trainer.optimizer.state.items()},
-            "nonfinite_at": trainer.nonfinite_at.clone(),
+            "nonfinite_at": trainer.nonfinite.at.clone(),
             "rank": checkpoint.rank_state(trainer.train_sampler.state_dict())}
 
 
@@ -178,5 +180,5 @@ def restore(trainer, saved):
                 value.copy_(before[key])
             else:
                 value.zero_()
-    trainer.nonfinite_at.copy_(saved["nonfinite_at"])
+    trainer.nonfinite.at.copy_(saved["nonfinite_at"])
     checkpoint.restore_rank_state(saved["rank"], trainer.train_sampler)

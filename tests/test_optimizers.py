@@ -326,7 +326,7 @@ def test_train_py_compiles_newton_schulz_where_it_compiles_the_model(tmp_path, c
     # (recorded, then built uncompiled: compiling is tested above)
     monkeypatch.setattr(train, "build_optimizer", lambda *a, **kw: asked.append(kw["compile"])
                         or real(*a, **kw | {"compile": False}))
-    monkeypatch.setattr(train.Trainer, "_try_compile", lambda self, model: wrapped.append(model) or model)
+    monkeypatch.setattr(train.compile_trial, "compiled_or_eager", lambda model, *args: wrapped.append(model) or model)
     train.Trainer(parse(train.TrainConfig, tiny_train_args(char_data, tmp_path / "out", optimizer="muon",
                                                            compile=compile)))
     assert asked == [compiled] and len(wrapped) == int(compiled)

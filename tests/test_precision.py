@@ -174,7 +174,7 @@ def test_compile_true_trains_compiled_on_the_cpu(tmp_path, char_data, monkeypatc
         torch._dynamo.reset()  # drop the compiled code that holds the counting backend
     assert "warning" not in compiled.stdout + compiled.stderr
     # the model compiles whole (one graph, no break): one call per forward. Training: the trial step of
-    # _try_compile, then max_iters steps of gradient_accumulation_steps (1) micro-steps; the final evaluation:
+    # compile_trial, then max_iters steps of gradient_accumulation_steps (1) micro-steps; the final evaluation:
     # eval_iters (1) batches of each split. Handing the eager model back after the trial would count 1 and 1.
     assert calls == {"forward": 1 + 2, "backward": 1 + 2, "no_grad": 2}
     assert val_losses(compiled.stdout) == pytest.approx(val_losses(eager.stdout), abs=1e-4)

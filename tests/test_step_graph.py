@@ -129,7 +129,7 @@ def steps(trainer, n, batch=None):
 def state(trainer):
     """What training keeps: weights, optimizer state, the non-finite mark, every RNG and the batch sampler."""
     return {"model": trainer.raw_model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-            "nonfinite_at": trainer.nonfinite_at, "rank": checkpoint.rank_state(trainer.train_sampler.state_dict())}
+            "nonfinite_at": trainer.nonfinite.at, "rank": checkpoint.rank_state(trainer.train_sampler.state_dict())}
 
 
 def copied(tree):
@@ -252,12 +252,12 @@ def test_the_static_inputs_hold_each_steps_batches_and_alias_nothing(trainers):
 def test_a_non_finite_loss_is_still_caught_when_graphed(trainers):
     trainer = trainers(True)
     _, batch = steps(trainer, 1)
-    trainer.check_finite()  # (finite so far)
+    trainer.nonfinite.check()  # (finite so far)
     with torch.no_grad():
         trainer.raw_model.blocks[0].attn.qkv.weight[0, 0] = float("nan")  # in place: the graph reads it
     steps(trainer, 2, batch)
     with pytest.raises(UserError, match="the loss became NaN or infinite in iteration 2;"):
-        trainer.check_finite()
+        trainer.nonfinite.check()
 
 
 def test_a_host_sync_fails_the_capture_which_says_so_in_one_line_and_the_steps_run_eagerly(trainers, capsys):
