@@ -23,7 +23,7 @@ import machinery.torch_import  # noqa: F401  (first: torch imported with the col
 import torch
 
 from machinery import (chat, checkpoint, compile_trial, configurator, conversations, convert, dataset, distributed,
-                       lora, meta, outdir, step_graph)
+                       lora, meta, outdir, sdpa_backend, step_graph)
 from machinery.configurator import setting
 from machinery.dataset import DATA_DIR
 from machinery.errors import UserError, run_main
@@ -107,6 +107,8 @@ class TrainConfig:
     compile: Optional[bool] = setting(None, "torch.compile the model (None: on for CUDA)")
     cuda_graph: Optional[bool] = setting(None, "run each training step as one captured CUDA graph (None: on for CUDA "
                                                "in one process where it applies; machinery/step_graph.py)")
+    sdpa_backend: str = setting("auto", "training's attention kernel: auto (PyTorch's choice), flash, cudnn, "
+                                        "efficient or math (refused where it cannot run; machinery/sdpa_backend.py)")
     parallel: str = setting("ddp", "under torchrun: ddp (replicate the model) or fsdp (shard it)")
     seed: int = setting(1337, "random seed")
 
@@ -133,7 +135,8 @@ class TrainConfig:
         if self.min_lr < 0 or self.min_lr > self.learning_rate:
             raise UserError(f"min_lr must be between 0 and learning_rate, got {self.min_lr}")
         configurator.check_choice(self, optimizer=("adamw", "muon"), parallel=("ddp", "fsdp"),
-                                  chat_loss=conversations.LEARN, muon_ns_steps=range(1, len(POLAR_EXPRESS) + 1))
+                                  chat_loss=conversations.LEARN, muon_ns_steps=range(1, len(POLAR_EXPRESS) + 1),
+                                  sdpa_backend=sdpa_backend.CHOICES)
         try:
             # (the vocabulary is the dataset's, not known yet: GPT-2's stands in)
             self.gpt_config(self.vocab_size or meta.DatasetMeta.gpt2().model_vocab_size).validate()
@@ -188,6 +191,9 @@ class Trainer:
         if self.dataset.check_token_ids(self.model_config.vocab_size):
             self.log(f"checked every token id of {self.dataset.directory}: no meta.json describes its files as they "
                      f"are now")
+        # the attention kernel training runs (sdpa_backend), refused here if it cannot run this model's attention
+        self.attention = sdpa_backend.for_training(cfg.sdpa_backend, self.raw_model, cfg.batch_size, cfg.block_size,
+                                                   self.device, self.dtype)
         if self.world.distributed and cfg.parallel == "fsdp":
             distributed.shard(self.raw_model)
         self.use_compile = cfg.compile if cfg.compile is not None else self.device_type == "cuda"
@@ -216,6 +222,7 @@ class Trainer:
         self.log(f"tokens per iteration: {self.tokens_per_iter:,} ({self.world.size} process(es) x {self.accum} "
                  f"micro-steps x {cfg.batch_size} x {cfg.block_size})")
         self.log(f"parameters: {self.raw_model.get_num_params() / 1e6:.2f}M; {describe(self.device, self.dtype)}")
+        self.log(f"attention: {self.attention}")
         if self.lora:
             self.log(lora.trainable_line(self.raw_model, self.lora))
         self.metrics = Metrics(cfg, self.resumed_from, eval_due(self.iter_num, 0, cfg), self.wandb_run_id) \
@@ -306,7 +313,7 @@ class Trainer:
     def micro_step(self, x, y, iteration):
         """One micro-batch's forward and backward; returns its loss. A non-finite loss is marked on the device as
         step `iteration` (an int, or a captured step's tensor), numbered as the `iter N:` log line of this step."""
-        with self.autocast:
+        with self.autocast, self.attention:
             _, loss = self.model(x, y)
             # the mean over micro-steps (DDP averages over ranks); chat data: weighed by its targets
             loss = loss / self.accum if self.token_mean is None else self.token_mean.weigh(loss, y)
@@ -342,7 +349,7 @@ class Trainer:
     def estimate_loss(self):
         """The train and val losses now (split_losses), from the training batches' stream as nanoGPT's."""
         return split_losses(self.model, self.dataset, self.train_sampler.generator, self.cfg, self.device,
-                            self.autocast, self.world)
+                            self.autocast, self.attention, self.world)
 
     def save(self, which):
         """Write ckpt.pt (full state) or best.pt (weights); every rank must call it (state is gathered)."""
@@ -429,7 +436,8 @@ class Trainer:
             model = distributed.replicate(model, self.world, self.device_type)
         if not self.use_compile:
             return model
-        return compile_trial.compiled_or_eager(model, self.train_sampler, self.optimizer, self.autocast, self.log)
+        return compile_trial.compiled_or_eager(model, self.train_sampler, self.optimizer, self.autocast,
+                                               self.attention, self.log)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,14 @@ from machinery import checkpoint
 from machinery.errors import first_line
 
 
-def compiled_or_eager(model, sampler, optimizer, autocast, log):
-    """torch.compile(model), checked on one forward (in autocast) and backward on a batch of sampler; on failure
-    warn once and hand model back uncompiled."""
+def compiled_or_eager(model, sampler, optimizer, autocast, attention, log):
+    """torch.compile(model), checked on one forward (in autocast and the attention kernel's context) and backward on
+    a batch of sampler; on failure warn once and hand model back uncompiled."""
     compiled = torch.compile(model)
     saved = checkpoint.rank_state(sampler.state_dict())  # the trial must not shift data or dropout
     try:
         x, y = sampler.next()
-        with autocast:
+        with autocast, attention:
             _, loss = compiled(x, y)
         loss.backward()
         return compiled

@@ -26,11 +26,12 @@ def save_due(iter_num, cfg):
 
 
 @torch.no_grad()
-def split_losses(model, dataset, generator, cfg, device, autocast, world):
+def split_losses(model, dataset, generator, cfg, device, autocast, attention, world):
     """The mean loss of each split over its target tokens, {"train": ..., "val": ...}, over every rank's batches.
     eval_iters random batches of each split, drawn with generator (as in nanoGPT, the training batches' stream: a
     resumed run, which evaluates again at its first step, draws the same ones), split over the ranks, every rank
-    the same number (an FSDP forward is a collective); with eval_whole_val, the whole val split in order."""
+    the same number (an FSDP forward is a collective); with eval_whole_val, the whole val split in order. Each
+    forward in autocast and attention (the training's attention kernel: sdpa_backend.Attention)."""
     model.eval()
     out = {}
     for split, data in (("train", dataset.train), ("val", dataset.val)):
@@ -42,7 +43,7 @@ def split_losses(model, dataset, generator, cfg, device, autocast, world):
             batches = (sampler.next() for _ in range(math.ceil(cfg.eval_iters / world.size)))
         totals = torch.zeros(2, device=device, dtype=torch.float64)  # loss summed over the targets, targets
         for x, y in batches:
-            with autocast:
+            with autocast, attention:
                 _, loss = model(x, y)
             # loss is the mean over the batch's targets (-1: none), which vary: the whole split's last batch can be
             # smaller, a chat batch's rows hold conversations of any length

@@ -1,19 +1,22 @@
 """What only a machine with a CUDA GPU shows (skipped elsewhere: CI is CPU-only; the decisions themselves are
 tested without a GPU in test_cuda_decisions.py): train.py on the GPU trains in bfloat16 autocast, a 1-process
 torchrun job joins over NCCL, trains and resumes exactly, Muon's compiled, stacked Newton-Schulz is the
-iteration within bfloat16's rounding, and the training step captured as one CUDA graph is the eager step bit for bit
-(where float32 holds the learning rates; else within a stated bound) and syncs nothing with the host."""
+iteration within bfloat16's rounding, the training step captured as one CUDA graph is the eager step bit for bit
+(where float32 holds the learning rates; else within a stated bound) and syncs nothing with the host, and each
+attention kernel of the GPU (--sdpa_backend) trains as the math kernel does."""
 
 import re
 
 import pytest
 import torch
 
-from conftest import tiny_train_args
+from conftest import run_in_process, tiny_train_args
+from machinery import sdpa_backend
 from machinery.configurator import parse
 import optimizers
 from test_distributed import ckpt, launch, max_weight_diff, ok, report, train_args
 from test_optimizers import newton_schulz_by_hand
+from test_sdpa_backend import RUN, kernels_run, recorded_losses  # noqa: F401 (kernels_run: a fixture)
 import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -147,3 +150,28 @@ def test_the_cuda_graph_step_is_the_eager_step_bit_for_bit_and_syncs_nothing(tmp
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
             for key, value in eager["model"].items():
                 assert (graphed["model"][key] - value).abs().max().item() <= 1e-6, key
+
+
+def test_each_attention_kernel_of_this_gpu_trains_as_the_math_kernel_does(tmp_path, data_dir, kernels_run):
+    """--sdpa_backend with each kernel: those PyTorch has for this GPU and shape train (flash and math at least:
+    cuDNN's depends on its version), every forward running the one asked for, the log naming it, inside the step's
+    CUDA graph (bfloat16, one process: it applies); those it has not are refused in one line. bfloat16 attention
+    rounds each kernel's way (8 bits: 2^-8 a rounding, 4e-3 relative): each step's loss within 2e-2 of math's."""
+    if not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bfloat16 (flash and cuDNN attention compute in 16 bits)")
+    losses, refused = {}, []
+    for name, kernel in sdpa_backend.BACKENDS.items():
+        kernels_run.clear()
+        args = tiny_train_args(data_dir, tmp_path / name, device="cuda", dtype="bfloat16", sdpa_backend=name, **RUN)
+        proc = run_in_process(train.main, *args)
+        if proc.returncode == 2 and "cannot run this training's attention on cuda" in proc.stderr:
+            refused.append(name)
+            continue
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"\nattention: {name}\n" in proc.stdout
+        assert kernels_run and {choice for choice, _ in kernels_run} == {int(kernel)}
+        losses[name] = recorded_losses(tmp_path / name)
+    assert {"flash", "math"} <= set(losses), refused
+    for name, (steps, evaluations) in losses.items():
+        assert steps == pytest.approx(losses["math"][0], rel=2e-2, abs=0), name
+        assert evaluations == pytest.approx(losses["math"][1], rel=2e-2, abs=0), name
