@@ -18,7 +18,7 @@ rest still runs), `--parts` choosing some of them (two commands where one would 
             max_batch 1 beside it (the fixed step computes every row: what one client pays for 32 rows);
   train     Muon's training step against AdamW's on the GPU speedrun's model and GPT-2 124M's (ms/iter, tokens/s,
             MFU), each timed as train.py runs it (bench.py --mode=train), then the training levers a row each
-            (cuda_graph, compile, the micro-batch) and the top kernels of a step of each model;
+            (cuda_graph, compile, sdpa_backend, the micro-batch) and the top kernels of a step of each model;
   speedrun  the GPU speedrun against nanoGPT's recipe through our train.py, one pair of whole processes (4-5
             minutes on an H100: last, and only when the budget leaves room for it).
 
@@ -39,6 +39,7 @@ import torch
 
 from benchmarks import runs, serve
 from benchmarks.profile import kernel_table, top_kernels
+from machinery.errors import UserError
 from machinery.hardware import describe, pick_device, pick_dtype
 from machinery.request import Request
 from machinery.tokenizer import GPT2_VOCAB_SIZE
@@ -277,6 +278,8 @@ TRAINING_LEVERS = [
     ("speedrun model, muon", ["--cuda_graph=False"]),
     ("speedrun model, adamw", ["--cuda_graph=False"]),
     ("speedrun model, muon", ["--compile=False", "--cuda_graph=True"]),
+    ("GPT-2 124M", ["--sdpa_backend=flash"]),  # (against the defaults: sdpa_backend=auto, PyTorch's choice)
+    ("GPT-2 124M", ["--sdpa_backend=cudnn"]),
 ]
 
 
@@ -290,7 +293,8 @@ def training_args(model, size, *settings):
 
 def training_levers(gpu, size, step, defaults):
     """A row per training lever: its ms/iter (and MFU where known) against its model's at the defaults. A lever
-    that asks for a CUDA graph is not measured on a CPU (train.py refuses it there)."""
+    that asks for a CUDA graph is not measured on a CPU, nor one that train.py refuses on this machine (an
+    attention kernel it has not: its one line)."""
     measured = [f"--warmup={size['lever_train']['warmup']}", f"--repeats={size['lever_train']['repeats']}"]
     points = []
     for model, settings in TRAINING_LEVERS + [("GPT-2 124M", size["micro_batch"])]:
@@ -298,7 +302,11 @@ def training_levers(gpu, size, step, defaults):
         if not gpu and "--cuda_graph=True" in settings:
             points.append(Point(name, "CUDA graphs need a GPU", "not measured"))
             continue
-        got, base = step(training_args(model, size, measured, settings)), defaults[model]
+        try:
+            got, base = step(training_args(model, size, measured, settings)), defaults[model]
+        except UserError as e:
+            points.append(Point(name, f"train.py refuses it here: {e}", "not measured"))
+            continue
         mfu = f", MFU {got.mfu:.1%}" if got.mfu else ""
         points.append(lever(name, f"{got.seconds * 1e3:,.1f} ms/iter{mfu}; at the defaults "
                                   f"{base.seconds * 1e3:,.1f} ({got.seconds / base.seconds:.2f}x)", gpu))

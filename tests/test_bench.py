@@ -590,6 +590,7 @@ GPU_LINES = ["CUDA tests", "sample.py bfloat16, ", "sample.py float32, ", *DECOD
              "GPT-2 124M training step", "training lever: speedrun model, muon, cuda_graph=False",
              "training lever: speedrun model, adamw, cuda_graph=False",
              "training lever: speedrun model, muon, compile=False cuda_graph=True",
+             "training lever: GPT-2 124M, sdpa_backend=flash", "training lever: GPT-2 124M, sdpa_backend=cudnn",
              "training lever: GPT-2 124M, batch_size=2 gradient_accumulation_steps=2",
              "GPU speedrun against nanoGPT's recipe"]
 
@@ -610,16 +611,19 @@ def test_gpu_mode_runs_its_quick_form_on_a_cpu_and_prints_every_line(capsys, mon
     out = capsys.readouterr().out
     assert len(points) == len(GPU_LINES) and all(p.name.startswith(n) for p, n in zip(points, GPU_LINES)), points
     # on a CPU no goal is judged and no lever chooses: every figure is "not measured" but the one that holds anywhere
-    assert [p.verdict for p in points] == ["not measured"] * 10 + ["PASS"] + ["not measured"] * 7, points
+    assert [p.verdict for p in points] == ["not measured"] * 10 + ["PASS"] + ["not measured"] * 9, points
     assert out.startswith("machine: no GPU: device cpu")
     table = re.findall(r"^\| (.+) \| (.+) \| (PASS|FAIL|not measured) \|$", out, re.M)
     assert [name for name, _, _ in table] == [p.name for p in points]
     measured = [figure for name, figure, verdict in table[1:] if verdict != "PASS" and "compile=True" not in name
-                and "cuda_graph=True" not in name]
+                and "cuda_graph=True" not in name and "cudnn" not in name]
     assert all(figure.endswith("(CPU quick form)") for figure in measured), measured
     # each decoding lever's rates, each training lever's against its model's defaults
     assert all(re.search(r"batch 1: [\d,]+ tokens/s; 4 rows: [\d,]+ tokens/s", p.figure) for p in points[3:6])
-    assert all(re.search(r"ms/iter; at the defaults [\d,.]+ \([\d.]+x\)", p.figure) for p in points[13:15] + points[16:17])
+    assert all(re.search(r"ms/iter; at the defaults [\d,.]+ \([\d.]+x\)", p.figure)
+               for p in points[13:15] + points[16:17] + points[18:19])
+    # a kernel this CPU has not: train.py's one-line refusal
+    assert points[17].figure.startswith("train.py refuses it here: sdpa_backend=cudnn cannot run"), points[17]
     # the profile sections: the top operators per decoded token (batch 1 of each lever measured, 4 rows at the
     # defaults) and of a training iteration of each model
     titles = re.findall(r"^(top kernels per decoded token, .+|.+, top kernels of one iteration): [\d,.]+ µs a "
