@@ -30,10 +30,11 @@ from dataclasses import asdict, fields
 import numpy as np
 import torch
 
-from machinery import convert, lora, meta
+from machinery import lora, meta
 from machinery.errors import UserError, first_line
 from machinery.fileio import atomic_write
-from model import GPTConfig
+from machinery.gpt2_weights import from_gpt2_layout
+from model import GPT, GPTConfig
 
 LATEST = "ckpt.pt"
 BEST = "best.pt"
@@ -62,18 +63,18 @@ class Checkpoint:
 
     def build_model(self):
         """A GPT with the checkpoint's weights, on the CPU (a LoRA run's: its base with the adapters merged in),
-        built without drawing initial weights first (convert.with_weights)."""
+        built without drawing initial weights first (GPT.with_weights)."""
         if self.lora_record:
-            base = lora.build_base(self.lora_record, self.model_config, self.path)
-            return lora.merge(lora.load_adapters(base, self.lora_record, self.adapters, self.path))
-        return convert.with_weights(self.model_config, self._state["model"])
+            return lora.merged_model(self.lora_record, self.model_config, self.adapters, self.path)
+        return fitting(GPT.with_weights, self.model_config, self._state["model"])
 
     def load_weights(self, model):
         """Put the checkpoint's weights into model (a LoRA run's: its base's, and the adapters, unmerged)."""
         if self.lora_record:
-            lora.restore(model, self.lora_record, self.adapters, self.path)
+            fitting(model.load_weights, lora.build_base(self.lora_record, model.config, self.path).state_dict())
+            lora.load_adapters(model, self.lora_record, self.adapters, self.path)
         else:
-            convert.load_weights(model, self._state["model"])
+            fitting(model.load_weights, self._state["model"])
 
     lora_record = property(lambda self: self._state.get("lora"), doc="A LoRA run's settings and base (else None).")
 
@@ -134,6 +135,14 @@ class Checkpoint:
 
 
 # ---------------------------------------------------------------------- building and saving
+
+
+def fitting(load, *args):
+    """load(*args) (GPT.with_weights, or a model's load_weights), a one-line error when the weights do not fit."""
+    try:
+        return load(*args)
+    except ValueError as e:
+        raise UserError(f"the checkpoint's {e}") from None
 
 
 def training_state(model_state, model_config, train_config, data_meta, iter_num, best_val_loss, lora_record=None):
@@ -290,9 +299,12 @@ def _from_nanogpt(state, path):
     if extra:
         raise UserError(f"{path}: model_args has settings nanoGPT's GPT does not ({', '.join(extra)}); "
                         f"a modified nanoGPT's model cannot be loaded here")
+    try:
+        weights = from_gpt2_layout(state["model"], conv1d=False, source=path)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     model_config = dict(args)  # the fields nanoGPT has not (exact GELU, MLP 4x wide, ...) keep GPTConfig's defaults
-    out = dict(state, model=convert.from_gpt2_layout(state["model"], conv1d=False, source=path),
-               model_config=model_config)
+    out = dict(state, model=weights, model_config=model_config)
     if isinstance(out.get("best_val_loss"), torch.Tensor):  # nanoGPT stores it as a 0-d tensor
         out["best_val_loss"] = out["best_val_loss"].item()
     return out

@@ -2,12 +2,12 @@
 GPT-2 weights in the layouts of other code: Hugging Face transformers and nanoGPT,
 read into this repository's model and (for Hugging Face) written back out.
 
-The three share one architecture and differ only in names (model.py's GPT2_NAMES, the one
-table of them, read both ways by model.gpt2_weight) and in Hugging Face's Conv1D, which
+The three share one architecture and differ only in names (gpt2_weights.GPT2_NAMES, the one
+table of them, read both ways by gpt2_weights.gpt2_weight) and in Hugging Face's Conv1D, which
 stores a block's matrices transposed. Reading Hugging Face's GPT-2 is model.py's
-GPT.from_pretrained (no `transformers`, no download: gpt2 ... gpt2-xl come from the
-local Hugging Face cache); this file adds the one-line errors of the commands,
-nanoGPT's checkpoints, finetuning, and writing our models in Hugging Face's format.
+GPT.from_pretrained (machinery/gpt2_weights.py: no `transformers`, no download); this file
+adds the commands' one-line errors, finetuning, and writing our models in Hugging Face's
+format. Not checkpoints (checkpoint.py, nanoGPT's included) nor adapters (lora.py).
 
 GPT-2's own weights were trained with the tanh approximation of GELU, so they load
 with GPTConfig.gelu="tanh"; nanoGPT's models use the exact GELU (gelu="none").
@@ -21,42 +21,16 @@ import torch
 from machinery import chat, meta
 from machinery.errors import UserError
 from machinery.fileio import atomic_write
+from machinery.gpt2_weights import find_gpt2, gpt2_weight
 from machinery.tokenizer import GPT2_EOT, GPT2Tokenizer, gpt2_bpe_files
-from model import GPT, GPTConfig, find_gpt2, gpt2_weight
-from model import from_gpt2_layout as _from_gpt2_layout
+from model import GPT, GPTConfig
 
 _GELU_TO_HF = {"tanh": "gelu_new", "none": "gelu"}  # gelu_new: the name GPT-2's own config.json uses
 
 
-def load_weights(model, state):
-    """Copy a checkpoint's state dict (our layout) into model, with a one-line error when it does not fit."""
-    try:
-        model.load_weights(state)
-    except ValueError as e:
-        raise UserError(f"the checkpoint's {e}") from None
-
-
-def with_weights(config, state):
-    """A GPT of config holding a checkpoint's state dict (GPT.with_weights: no initial weights drawn), with a
-    one-line error when it does not fit."""
-    try:
-        return GPT.with_weights(config, state)
-    except ValueError as e:
-        raise UserError(f"the checkpoint's {e}") from None
-
-
-def from_gpt2_layout(state, conv1d, source):
-    """Our state dict from a Hugging Face (conv1d=True) or nanoGPT (conv1d=False) one (model.from_gpt2_layout),
-    with one-line errors."""
-    try:
-        return _from_gpt2_layout(state, conv1d, source)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-
-
 def to_hf_state(state):
     """Hugging Face GPT-2 tensors (transformer.*, Conv1D transposed, lm_head left to tying) from ours
-    (model.gpt2_weight: the one table of names, both ways)."""
+    (gpt2_weights.gpt2_weight: the one table of names, both ways)."""
     renamed = (gpt2_weight(k, v, to_gpt2=True) for k, v in state.items() if k != "lm_head.weight")
     return {name: tensor.contiguous() for name, tensor in renamed}
 

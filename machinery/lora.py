@@ -15,7 +15,7 @@ What a LoRA checkpoint holds besides the adapters (checkpoint.py writes it as "l
 named so that it can be rebuilt (GPT-2 weights: their init_from; a new model: init_from=scratch and the seed that
 drew it) and checked (the sha256 of the base's weights: a base that changed since is refused, not silently used).
 Loading merges the adapters into the base (merge): sample, serve, eval and export then see a plain GPT. PEFT's
-format (peft_files) names the same tensors by GPT-2's modules (c_attn, c_proj, c_fc: model.py's table).
+format (peft_files) names the same tensors by GPT-2's modules (c_attn, c_proj, c_fc: gpt2_weights.py's table).
 """
 
 import hashlib
@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from machinery import convert
 from machinery.errors import UserError
-from model import GPT, GPT2_SIZES, GPTConfig, gpt2_weight
+from machinery.gpt2_weights import GPT2_SIZES, gpt2_weight
+from model import GPT, GPTConfig
 
 TARGETS = {"attn": ("attn.qkv",), "proj": ("attn.proj",), "mlp": ("ffwd.fc", "ffwd.proj")}  # -> a Block's modules
 ADAPTERS = (".lora_A", ".lora_B", ".token_rows")  # how the adapters' names end in a state dict
@@ -243,8 +244,8 @@ def build_base(record, model_config, source):
             model = GPT(GPTConfig(**asdict(model_config)))
     else:
         try:
-            model = convert.load_hf(name)
-        except UserError as e:
+            model = GPT.from_pretrained(name)
+        except ValueError as e:
             raise UserError(f"{source} holds LoRA adapters for the base {name}, which does not load: {e}") from None
         if model_config.block_size < model.config.block_size:  # finetuned with a cropped context
             model.crop_block_size(model_config.block_size)
@@ -256,10 +257,10 @@ def build_base(record, model_config, source):
     return model
 
 
-def restore(model, record, adapters, source):
-    """Fill model (a GPT of the checkpoint's config) with its base's weights and the adapters (a resumed run)."""
-    convert.load_weights(model, build_base(record, model.config, source).state_dict())
-    return load_adapters(model, record, adapters, source)
+def merged_model(record, model_config, adapters, source):
+    """The model a LoRA checkpoint holds, as sample, serve, eval and export use it: its base rebuilt and checked,
+    the adapters merged in (a plain GPT)."""
+    return merge(load_adapters(build_base(record, model_config, source), record, adapters, source))
 
 
 def resume_settings(record, cfg, source):

@@ -23,7 +23,7 @@ from conftest import assert_one_error_line, assert_one_line, finetune_args, hf_m
 from conftest import run_in_process
 from conftest import train as train_in_process
 import export
-from machinery import checkpoint, convert, packing
+from machinery import checkpoint, convert, gpt2_weights, packing
 from machinery.configurator import parse
 from machinery.errors import UserError
 from machinery.meta import DatasetMeta
@@ -470,7 +470,7 @@ def test_init_from_hf_directory_crops_block_size_and_keeps_the_weights(tmp_path,
     model = train.Trainer(cfg).raw_model
     assert model.config == GPTConfig(block_size=32, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32,
                                      dropout=0.1, bias=True, gelu="tanh")
-    hf_state = convert.from_gpt2_layout(hf.state_dict(), conv1d=True, source="hf")
+    hf_state = gpt2_weights.from_gpt2_layout(hf.state_dict(), conv1d=True, source="hf")
     hf_state["pos_emb.weight"] = hf_state["pos_emb.weight"][:32]
     for k, v in model.state_dict().items():
         if k != "lm_head.weight":
