@@ -30,11 +30,6 @@ class GPTConfig:
     qk_norm: bool = False  # normalise each head's queries and keys (not in GPT-2; see MultiHeadAttention)
     mlp_ratio: int = 4  # the MLP's hidden width in multiples of n_embd (GPT-2: 4)
 
-    # what the fields are to the code around the model (a new field is in none: it must match on resume)
-    PER_RUN = ("dropout",)  # may change when a run resumes or finetunes a model: the weights do not depend on it
-    NOT_IN_GPT2 = ("qk_norm",)  # GPT-2's config.json cannot say it: a model with another value cannot be exported
-    NOT_IN_NANOGPT = ("gelu", "qk_norm", "mlp_ratio")  # nanoGPT's GPTConfig has no such field (it has the defaults)
-
     def validate(self):
         """Raise ValueError naming the first field that cannot build a model (the one check of the settings)."""
         for name in [f.name for f in fields(self) if f.type is int]:  # sizes and counts

@@ -393,7 +393,7 @@ class Trainer:
             return GPT(cfg.gpt_config(vocab))
         ckpt.check_resume(cfg, self.data_meta)
         mc = ckpt.model_config
-        for name in GPTConfig.PER_RUN:  # (dropout) may change on resume
+        for name in checkpoint.PER_RUN:  # (dropout) may change on resume
             setattr(mc, name, getattr(cfg, name))
         model = GPT(self._settings_from(mc))
         ckpt.load_weights(model)
@@ -403,7 +403,7 @@ class Trainer:
         """The model settings a finetune's weights or a resumed checkpoint decide (all but block_size and
         dropout: gelu, vocab_size, ...) written into cfg, so that the train_config checkpoints record tells the
         truth; returns model_config."""
-        for name in {f.name for f in fields(GPTConfig)} - {"block_size", *GPTConfig.PER_RUN}:
+        for name in {f.name for f in fields(GPTConfig)} - {"block_size", *checkpoint.PER_RUN}:
             setattr(self.cfg, name, getattr(model_config, name))
         return model_config
 

@@ -38,6 +38,10 @@ from model import GPT, GPTConfig
 
 LATEST = "ckpt.pt"
 BEST = "best.pt"
+# GPTConfig's fields that a run may change when it resumes or finetunes a model: the weights do not depend on them
+# (every other field must match on resume, a new one included)
+PER_RUN = ("dropout",)
+NOT_IN_NANOGPT = ("gelu", "qk_norm", "mlp_ratio")  # GPTConfig's fields nanoGPT's has not (its models: the defaults)
 
 
 class Checkpoint:
@@ -116,9 +120,9 @@ class Checkpoint:
         """Refuse to resume with other model settings or on data with other tokens."""
         mc = self.model_config
         # every model setting a config file or the command line gives must match, except those a run may change
-        # (GPTConfig.PER_RUN); the settings left at their defaults, None or auto take the checkpoint's
+        # (PER_RUN); the settings left at their defaults, None or auto take the checkpoint's
         for name, asked in cfg.model_settings(given_only=True).items():
-            if name not in GPTConfig.PER_RUN and asked != getattr(mc, name):
+            if name not in PER_RUN and asked != getattr(mc, name):
                 raise UserError(f"{self.path} has {name}={getattr(mc, name)} but the config asks for {asked}; resume "
                                 f"with the same model settings (or leave {name} out) or start from scratch")
         optimizer = (self._state.get("train_config") or {}).get("optimizer", "adamw")  # nanoGPT's: AdamW
@@ -292,10 +296,10 @@ def _from_nanogpt(state, path):
     in the same module order, so its entries line up with our parameters one to one.
     """
     args = state["model_args"]
-    sizes = [f.name for f in fields(GPTConfig) if f.type is int and f.name not in GPTConfig.NOT_IN_NANOGPT]
+    sizes = [f.name for f in fields(GPTConfig) if f.type is int and f.name not in NOT_IN_NANOGPT]
     if not isinstance(args, dict) or not set(sizes) <= args.keys():  # (the other fields have defaults)
         raise UserError(f"{path}: model_args must hold {', '.join(sizes[:-1])} and {sizes[-1]}")
-    extra = sorted(set(args) - {f.name for f in fields(GPTConfig)} | set(args) & set(GPTConfig.NOT_IN_NANOGPT))
+    extra = sorted(set(args) - {f.name for f in fields(GPTConfig)} | set(args) & set(NOT_IN_NANOGPT))
     if extra:
         raise UserError(f"{path}: model_args has settings nanoGPT's GPT does not ({', '.join(extra)}); "
                         f"a modified nanoGPT's model cannot be loaded here")

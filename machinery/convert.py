@@ -26,6 +26,7 @@ from machinery.tokenizer import GPT2_EOT, GPT2Tokenizer, gpt2_bpe_files
 from model import GPT, GPTConfig
 
 _GELU_TO_HF = {"tanh": "gelu_new", "none": "gelu"}  # gelu_new: the name GPT-2's own config.json uses
+NOT_IN_GPT2 = ("qk_norm",)  # GPTConfig's fields GPT-2's config.json cannot say: another value cannot be exported
 
 
 def to_hf_state(state):
@@ -100,7 +101,7 @@ def grow_vocab(model, vocab_size):
 def check_gpt2_format(model_config):
     """Refuse in one line a model that GPT-2's format cannot express (a field beyond GPT-2's not at its default)."""
     defaults = GPTConfig()
-    for key in GPTConfig.NOT_IN_GPT2:
+    for key in NOT_IN_GPT2:
         value = getattr(model_config, key)
         if value != getattr(defaults, key):
             raise UserError(f"GPT-2's format cannot express {key}={value!r}; this model cannot be exported to it")
