@@ -191,7 +191,7 @@ class GPT(nn.Module):
         is greedy; it ends once every row has drawn one of stop_tokens (then repeated); use_cache=False runs the whole
         context for every token, as nanoGPT (the same tokens, slower); vocab_size: a tokenizer's, under a padded one."""
         block_size = self.config.block_size
-        cache = KVCache(self.config, idx.size(0), self.cache_dtype(idx.device), idx.device) if use_cache else None
+        cache = KVCache(self.config, len(idx), KVCache.dtype_for(self, idx.device), idx.device) if use_cache else None
         stops = torch.tensor(sorted(stop_tokens or ()), dtype=torch.long, device=idx.device)
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         with attention_backends(idx.device):
@@ -220,13 +220,6 @@ class GPT(nn.Module):
         # (a fresh contiguous copy: a compiled model sees the same strides at every step, no recompiles)
         logits, _ = self(new.clone(memory_format=torch.contiguous_format), kv_cache=cache)
         return logits[:, -1, :].float()
-
-    def cache_dtype(self, device):
-        """A KV cache's dtype: float32 on the CPU (where Head attends in float32), else autocast's or the weights'."""
-        if device.type == "cpu":
-            return torch.float32
-        on = torch.is_autocast_enabled(device.type)
-        return torch.get_autocast_dtype(device.type) if on else self.tok_emb.weight.dtype
 
     def crop_block_size(self, block_size):
         """Shrink the context, e.g. to finetune GPT-2 (block 1024) with a smaller block_size."""
@@ -300,14 +293,24 @@ class SkipInit(torch.overrides.TorchFunctionMode):
 
 
 class KVCache:
-    """The keys and values of every layer for the positions seen so far, for generate() (the engine has its own).
-    Allocated up front, with a spare position (torch.compile would specialise a slice of the whole buffer)."""
+    """The keys and values of every layer for `rows` sequences, allocated up front: block_size positions and a spare
+    (torch.compile would specialise a slice of the whole buffer). generate's cache, every row at position pos; the
+    engine's is built of it (machinery/decode.py: a row a request, each at its own length; `length` and `alloc` its)."""
 
-    def __init__(self, config, batch_size, dtype, device):
-        shape = (batch_size, config.n_head, config.block_size + 1, config.n_embd // config.n_head)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+    def __init__(self, config, rows, dtype, device, length=None, alloc=torch.empty):
+        shape = (rows, config.n_head, length or config.block_size + 1, config.n_embd // config.n_head)
+        # a layer's keys and values in one tensor (2, *shape): one indexed write can store both (the engine's step)
+        self.kv = [alloc((2, *shape), dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.k, self.v = [kv[0] for kv in self.kv], [kv[1] for kv in self.kv]
         self.block_size, self.pos = config.block_size, 0  # pos: positions filled, the next token's position
+
+    @staticmethod
+    def dtype_for(model, device):
+        """A cache's dtype: float32 on the CPU (where Head attends in float32), else autocast's or the weights'."""
+        if device.type == "cpu":
+            return torch.float32
+        on = torch.is_autocast_enabled(device.type)
+        return torch.get_autocast_dtype(device.type) if on else model.tok_emb.weight.dtype
 
     def positions(self, T, device):
         """The positions of T new tokens: (T,), the same in every row."""
@@ -317,9 +320,15 @@ class KVCache:
 
     def attend(self, layer, q, k, v, heads):
         """Store k, v (B, nh, T, hs) at positions pos..pos+T-1; the heads' attention of q over every position."""
-        end = self.pos + k.size(2)
-        self.k[layer][:, :, self.pos:end], self.v[layer][:, :, self.pos:end] = k, v
-        return heads(q, self.k[layer][:, :, :end], self.v[layer][:, :, :end])
+        return self.attend_at(self.k[layer], self.v[layer], self.pos, q, k, v, heads)
+
+    @staticmethod
+    def attend_at(keys, values, start, q, k, v, heads):
+        """Store k, v (B, nh, T, hs) in keys, values (B, nh, length, hs) at positions start..start+T-1; the heads'
+        attention of q over the positions up to there."""
+        end = start + k.size(2)
+        keys[:, :, start:end], values[:, :, start:end] = k, v
+        return heads(q, keys[:, :, :end], values[:, :, :end])
 
     def advance(self, T):
         self.pos += T

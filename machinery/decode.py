@@ -1,6 +1,6 @@
 """
-The engine's decoding step: its KV cache (a row, a slot, for each running request) and the two ways a step
-runs the model over it.
+The engine's decoding step: its KV cache (model.KVCache's keys and values, a row, a slot, for each running
+request) and the two ways a step runs the model over it. Not the model (model.py) nor the scheduler (engine.py).
 
 - Rows: the rows that have tokens to feed, each attending over exactly its own positions (one attention
   call a row). The shapes change at every step. The CPU's way, and every prompt's (in chunks).
@@ -16,45 +16,42 @@ import sys
 import torch
 
 from machinery import bf16_rows, decode_attention
+from model import KVCache
 
 
 def cache_dtype(model, device, fixed=False, compiled=False):
-    """The KV cache's dtype for model on device: bfloat16 where a bfloat16 model decodes row by row (not fixed),
-    uncompiled (dynamo cannot trace a kernel of ours), on a CPU with AMX, and our attention kernel runs
-    (bf16_rows.attend: the keys and values are bfloat16 already, so none is rounded; half the bytes of a float32
-    cache to read, in 0.4-0.6 of PyTorch's time a layer: BENCHMARKS.md), else the model's own (model.cache_dtype:
-    float32 on a CPU, where PyTorch's attention runs in float32)."""
+    """The engine's KV cache's dtype for model on device: KVCache.dtype_for's (float32 on a CPU, where PyTorch's
+    attention runs in float32), but bfloat16 where a bfloat16 model decodes row by row (not fixed), uncompiled
+    (dynamo cannot trace a kernel of ours), on a CPU with AMX, and our attention kernel runs (bf16_rows.attend: the
+    keys and values are bfloat16 already, so none is rounded; half the bytes of a float32 cache to read, and faster
+    than PyTorch's attention: docs/benchmarks-history.md)."""
     device, config = torch.device(device), model.config
     if device.type == "cpu" and not fixed and not compiled and next(model.parameters()).dtype == torch.bfloat16 \
             and bf16_rows.chosen() and bf16_rows.attends(torch.bfloat16, config.n_embd // config.n_head,
                                                          config.block_size + 1):
         return torch.bfloat16
-    return model.cache_dtype(device)
+    return KVCache.dtype_for(model, device)
 
 
 class Slots:
-    """The keys and values of every layer for `rows` requests of up to block_size positions each (and one spare:
-    a compiled model then never sees a slice of the whole buffer). A running request holds one row from its
-    first token to its last; the next request reuses it, so the cache's memory is that of `rows` rows
-    whatever the number of requests. fixed: rounded up to what the step's attention reads whole
-    (decode_attention.ALIGN) and zeroed, since a fixed step reads positions past a row's (masked: but 0 x NaN would
-    still be NaN); else empty, as a row only reads what it wrote."""
+    """The keys and values of a model.KVCache (every layer's, up to block_size positions and a spare) for `rows`
+    requests, each at its own length. A running request holds one row from its first token to its last; the next
+    request reuses it, so the cache's memory is that of `rows` rows whatever the number of requests. fixed: rounded
+    up to what the step's attention reads whole (decode_attention.ALIGN) and zeroed, since a fixed step reads
+    positions past a row's (masked: but 0 x NaN would still be NaN); else empty, as a row only reads what it wrote."""
 
     def __init__(self, config, rows, dtype, device, fixed=False, attention="full"):
         length = config.block_size + 1
         if fixed:
             align = decode_attention.ALIGN[attention]
             length = -(-length // align) * align
-        shape = (rows, config.n_head, length, config.n_embd // config.n_head)
-        alloc = torch.zeros if fixed else torch.empty
-        # a layer's keys and values in one tensor (2, *shape): a fixed step writes both with one indexed write
-        self.kv = [alloc((2, *shape), dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.k, self.v = [kv[0] for kv in self.kv], [kv[1] for kv in self.kv]
+        cache = KVCache(config, rows, dtype, device, length, torch.zeros if fixed else torch.empty)
+        self.kv, self.k, self.v = cache.kv, cache.k, cache.v
         self.rows, self.length, self.device = rows, length, torch.device(device)
         self.free = list(range(rows))[::-1]
         # one row's attention by our kernel (a row of one new token, on a CPU), where it runs on this cache
         cpu = self.device.type == "cpu" and not fixed
-        self.attend = bf16_rows.attend if cpu and bf16_rows.attends(dtype, shape[-1], length) else None
+        self.attend = bf16_rows.attend if cpu and bf16_rows.attends(dtype, self.k[0].size(-1), length) else None
 
     def copy_out(self, slot, start, dest):
         """Copy the keys and values of a slot's positions start.. into dest (2, n_layer, n_head, T, head size)."""
@@ -90,10 +87,9 @@ class Rows:
         for i, (slot, length) in enumerate(self.rows):
             if T == 1 and self.slots.attend is not None:  # (it stores the new key and value itself)
                 out.append(self.slots.attend(q[i], k[i], v[i], keys[slot], values[slot], length + 1))
-                continue
-            keys[slot, :, length:length + T] = k[i]
-            values[slot, :, length:length + T] = v[i]
-            out.append(heads(q[i:i + 1], keys[slot:slot + 1, :, :length + T], values[slot:slot + 1, :, :length + T]))
+            else:  # as generate's cache does, on the slot's row alone
+                out.append(KVCache.attend_at(keys[slot:slot + 1], values[slot:slot + 1], length, q[i:i + 1],
+                                             k[i:i + 1], v[i:i + 1], heads))
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def kernel_rows(self, layer):

@@ -95,7 +95,7 @@ def test_cached_logits_equal_uncached_at_every_step(seed, config):
 
 def test_generate_under_bfloat16_autocast(monkeypatch):
     """Under the CPU's bfloat16 autocast, the one cache generate makes and feeds at every token has the dtype
-    GPT.cache_dtype decides: float32 on the CPU (where Head attends in float32), holding the keys and values exactly
+    KVCache.dtype_for decides: float32 on the CPU (where Head attends in float32), holding the keys and values exactly
     as they come out of the projections in bfloat16; and each greedy token is the float32 model's choice within
     bfloat16's rounding (past block_size too)."""
     model = random_model(*MODELS[1])
@@ -105,7 +105,7 @@ def test_generate_under_bfloat16_autocast(monkeypatch):
     idx = torch.tensor([[0, 0, 0], [5, 9, 2]])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model.generate(idx, 20, temperature=0)  # past block_size 16 too
-        decided = model.cache_dtype(idx.device)
+        decided = KVCache.dtype_for(model, idx.device)
     assert out.shape == (2, 23) and len(caches) == 20
     cache = caches[0]
     assert cache is not None and all(c is cache for c in caches)  # one cache, fed at every token
