@@ -255,7 +255,7 @@ class GPT(nn.Module):
     @classmethod
     def with_weights(cls, config, state):
         """A GPT of config holding the weights of state (our layout, as load_weights takes it), built without
-        drawing initial weights that loading would overwrite (a third of a GPT-2's loading time): its modules are
+        drawing initial weights that loading would overwrite (docs/benchmarks-history.md): its modules are
         made on the meta device, and state's tensors become its parameters (in float32; as they are otherwise, a
         transposed view included: what converts them next, to another dtype or a packed layout, copies them)."""
         with torch.device("meta"), SkipInit():
@@ -280,7 +280,7 @@ class GPT(nn.Module):
 class SkipInit(torch.overrides.TorchFunctionMode):
     """Inside it (and torch.device("meta")), modules are made without filling their weights: torch.nn.init's
     functions and the in-place fills they use return their tensor as it is (normal_ on the meta device would
-    import TorchDynamo, a second, to do nothing)."""
+    import TorchDynamo to do nothing)."""
 
     FILLS = {"normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
              "xavier_normal_", "zeros_", "ones_", "constant_", "zero_", "fill_"}
@@ -337,8 +337,8 @@ class KVCache:
 def attention_backends(device):
     """A context manager that picks PyTorch's attention kernels for decoding on device (generate's, the engine's):
     on CUDA flash and memory-efficient attention, then the plain one, chosen explicitly: left to its default choice,
-    PyTorch spent ~46 ms on a call whose shape it had not seen, i.e. at every token (BENCHMARKS.md). Elsewhere
-    nothing: the CPU's default is fast (and its tokens stay what they were)."""
+    PyTorch chose anew, slowly, for each shape it had not seen, i.e. at every token (docs/benchmarks-history.md).
+    Elsewhere nothing: the CPU's default is fast (and its tokens stay what they were)."""
     if torch.device(device).type != "cuda":
         return nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel  # (looked up here: tests stand in for it)
@@ -372,11 +372,10 @@ def token_weights(logits):
     in fixed point, the largest 2^bits (as many bits as leave the row's sum below 2^62). Sums of integers are exact
     in any order, so a row's cumulative sums, and so its draw and its top_p set, are the same whatever other rows
     its batch holds: PyTorch's CUDA cumsum adds a row up in an order that depends on the batch's shape (one row
-    alone: another scan), and float32 sums drew another token now and then (BENCHMARKS.md, GPU). A token
+    alone: another scan), and float32 sums drew another token now and then (docs/benchmarks-history.md, GPU). A token
     under 2^-bits of the most likely one's probability (2^-46 for GPT-2's vocabulary) gets weight 0."""
     bits = 62 - logits.size(-1).bit_length()
-    # below e^-64 every weight is 0 (e^-64 * 2^61 < 1): clamped there, no exp underflows float32, which is many
-    # times slower on a CPU (tokens that top_k left out: 0.12 ms a row of GPT-2's vocabulary, against 0.02)
+    # below e^-64 every weight is 0 (e^-64 * 2^61 < 1): clamped there, no exp underflows float32 (many times slower)
     shifted = logits - logits.amax(dim=-1, keepdim=True)
     return shifted.clamp_min_(-64.0).exp_().mul_(2.0 ** bits).long()  # (in place: a row of V floats a pass)
 
@@ -384,8 +383,8 @@ def token_weights(logits):
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None, u=None):
     """One token per row of logits (B, V): the argmax when temperature is 0, else a draw from the filtered softmax by
     one uniform number per row (u (B, 1), else from generator) in the cumulative probabilities (not torch.multinomial,
-    which draws a number per token of the vocabulary: BENCHMARKS.md, "Serving and decoding"), summed as integers
-    (token_weights: each row's draw its own, whatever the batch)."""
+    which draws a number per token of the vocabulary: docs/benchmarks-history.md, "Serving and decoding"), summed as
+    integers (token_weights: each row's draw its own, whatever the batch)."""
     if temperature < torch.finfo(torch.float32).tiny:  # 0, or so small that float32 would take it for 0: greedy
         return logits.argmax(dim=-1)
     logits = logits.float()  # minus each row's largest: no temperature, however small, overflows the division
