@@ -106,7 +106,8 @@ from benchmarks.runs import NANOGPT_RECIPES, bench_beside_nanogpt, bench_speedru
 from benchmarks.serve import bench_serve
 from benchmarks.serve import synchronize as sync
 from benchmarks.tokenizers import bench_tokenizers
-from machinery import configurator, dataset, meta
+from machinery import configurator
+from machinery.data import dataset, meta
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 from machinery.hardware import describe as describe_device

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
-from machinery import configurator, distributed, loading, scoring
+from machinery import configurator, distributed
+from machinery.generation import loading
+from machinery.training import scoring
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 from machinery.fileio import read_text
-from machinery.quantize import quantize
+from machinery.weights.quantize import quantize
 
 
 @dataclass

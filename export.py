@@ -13,11 +13,11 @@ A character-level model has no Hugging Face tokenizer: its export says so and wr
 checkpoint's tokenizer also goes into meta.json (for sample.py). See convert.to_hf for how the exact GELU
 and bias=False are written.
 
---to=gguf writes one GGUF file (llama.cpp's GPT-2 architecture, the tokenizer inside; machinery/gguf_export.py)
+--to=gguf writes one GGUF file (llama.cpp's GPT-2 architecture, the tokenizer inside; machinery/weights/gguf_export.py)
 in --outtype f32, f16 (the default) or q8_0. Needs the gguf package: pip install gguf==0.19.0.
 
 A LoRA run's checkpoint (train.py --lora_rank) exports merged: its base with the adapters added in, as any model.
---adapter_only writes the adapters alone in PEFT's format instead (machinery/lora.py): adapter_config.json and
+--adapter_only writes the adapters alone in PEFT's format instead (machinery/weights/lora.py): adapter_config.json and
 adapter_model.safetensors, named by GPT-2's modules, which peft puts on the base's Hugging Face weights:
 
     python export.py --out_dir=out-lora --adapter_only lora-adapter
@@ -44,7 +44,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
-from machinery import checkpoint, configurator, convert, gguf_export, loading, lora
+from machinery import configurator
+from machinery.generation import loading
+from machinery.weights import checkpoint, convert, gguf_export, lora
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 

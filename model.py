@@ -2,7 +2,7 @@
 The GPT language model, all of it in this one file: GPTConfig -> Head -> MultiHeadAttention -> FeedForward -> Block
 -> GPT. GPT-2's architecture (pre-LayerNorm blocks, learned position embedding, tied embeddings, GELU MLP) with one
 option GPT-2 lacks (`qk_norm`), and nanoGPT's API: `GPT(GPTConfig(...))`, `model(idx, targets)`, `generate`,
-`estimate_mfu`, `GPT.from_pretrained` (GPT-2's files read by machinery/gpt2_weights.py, the one module of the
+`estimate_mfu`, `GPT.from_pretrained` (GPT-2's files read by machinery/weights/gpt2_weights.py, the one module of the
 project it imports, there only).
 """
 
@@ -240,7 +240,7 @@ class GPT(nn.Module):
         Hugging Face cache, or a Hugging Face GPT-2 directory. ValueError says what is wrong with the name or files.
         initialise=False: built with_weights, without nanoGPT's random initial weights (faster; torch's random
         stream left as it was)."""
-        from machinery import gpt2_weights  # (here, not at the top: for all else model.py stands alone)
+        from machinery.weights import gpt2_weights  # (here, not at the top: for all else model.py stands alone)
 
         override_args = dict(override_args or {})
         if set(override_args) - {"dropout"}:
@@ -295,7 +295,7 @@ class SkipInit(torch.overrides.TorchFunctionMode):
 class KVCache:
     """The keys and values of every layer for `rows` sequences, allocated up front: block_size positions and a spare
     (torch.compile would specialise a slice of the whole buffer). generate's cache, every row at position pos; the
-    engine's is built of it (machinery/decode.py: a row a request, each at its own length; `length` and `alloc` its)."""
+    engine's is built of it (machinery/generation/decode.py: a row a request, each at its own length; `length` and `alloc` its)."""
 
     def __init__(self, config, rows, dtype, device, length=None, alloc=torch.empty):
         shape = (rows, config.n_head, length or config.block_size + 1, config.n_embd // config.n_head)

@@ -7,7 +7,7 @@ for the rest) and the schedule of its learning rate and momentum (set_schedule).
 
 Either way it is ONE torch.optim.Optimizer, so the training loop, torch.amp.GradScaler and
 torch.distributed.checkpoint's get/set_optimizer_state_dict treat it like AdamW. A step captured as a
-CUDA graph (machinery/step_graph.py) reads the numbers a step computes with (step_numbers: the learning
+CUDA graph (machinery/training/step_graph.py) reads the numbers a step computes with (step_numbers: the learning
 rate, Muon's momentum and factors) from device tensors (DeviceNumbers) instead of the groups' floats.
 
 One schedule drives every group: the loop sets group["lr"] to the schedule's AdamW learning rate

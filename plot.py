@@ -21,7 +21,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-from machinery import configurator, metrics
+from machinery import configurator
+from machinery.training import metrics
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 from machinery.fileio import atomic_write

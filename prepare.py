@@ -16,7 +16,7 @@ them (and, for characters, the vocabulary). The file is read in chunks, so a
 large corpus never has to fit in memory as one string.
 
 --tokenizer bpe learns a byte-level BPE of --vocab_size tokens on the training
-split (its first --tokenizer_chars characters, where given) with machinery/bpe.py,
+split (its first --tokenizer_chars characters, where given) with machinery/data/bpe.py,
 and writes it beside meta.json (tokenizer.tiktoken). For a directory of documents
 the training split is the documents after validation's first ones (corpus.py).
 """
@@ -29,10 +29,10 @@ from contextlib import ExitStack
 import numpy as np
 from tqdm import tqdm
 
-from machinery import bpe, conversations, corpus, dataset, meta
+from machinery.data import bpe, conversations, corpus, dataset, meta
 from machinery.errors import UserError, run_main
 from machinery.fileio import atomic_write
-from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
+from machinery.data.tokenizer import CharTokenizer, GPT2Tokenizer
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 CHUNK_BYTES = 4 << 20  # read ~4 MiB of whole lines at a time

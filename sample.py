@@ -10,7 +10,7 @@ nanoGPT's ckpt.pt carries none: its data/<dataset>/meta.json is used when there 
 one, else GPT-2 BPE (--meta picks one). With --init_from, OpenAI's GPT-2 weights
 (from the local Hugging Face cache) or a Hugging Face GPT-2 directory sample with
 GPT-2 BPE.
-The samples are generated together, by the generation engine (machinery/engine.py,
+The samples are generated together, by the generation engine (machinery/generation/engine.py,
 the one serve.py uses: sample i draws with seed + i, and its text does not depend
 on the others); the first one is printed as it is produced (--stream), the others
 when they are done. A sample ends at --stop (a text of any length; the text is cut
@@ -21,7 +21,7 @@ A chat model (one finetuned on conversations: prepare.py chat) is talked to inst
     python sample.py --out_dir=out-chat --chat [--system="You are terse."]
 
 each line typed is the user's turn, the reply streams back, and the conversation stays in
-the context (machinery/talk.py: each turn encodes only its new message, the rest is
+the context (machinery/generation/talk.py: each turn encodes only its new message, the rest is
 taken from the engine's prefix cache, --prefix_cache_mb); an empty line or Ctrl-D ends it.
 """
 
@@ -30,14 +30,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
-from machinery import configurator, engine, loading, packing, talk
-from machinery.calibration_cache import CalibrationCache
+from machinery import configurator
+from machinery.generation import engine, loading, packing, talk
+from machinery.generation.calibration_cache import CalibrationCache
 from machinery.configurator import setting
 from machinery.errors import UserError, exit_without_teardown, run_main
 from machinery.fileio import read_text
 from machinery.hardware import describe
-from machinery.request import Request
-from machinery.tokenizer import end_of_text_stop
+from machinery.generation.request import Request
+from machinery.data.tokenizer import end_of_text_stop
 
 
 @dataclass

@@ -6,8 +6,8 @@ speaks), to many users at once:
     python serve.py --init_from=gpt2 --port=8080 --api_key=secret
 
 The model is chosen as in sample.py (--out_dir / --init_from / --ckpt / --meta, --device, --dtype). Requests
-are batched together by the generation engine (machinery/engine.py), each with its own settings and seed;
-machinery/openai_api.py lists the routes and what they do. Clients:
+are batched together by the generation engine (machinery/generation/engine.py), each with its own settings and seed;
+machinery/serving/openai_api.py lists the routes and what they do. Clients:
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
@@ -27,8 +27,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
-from machinery import configurator, engine, loading, openai_api, packing
-from machinery.calibration_cache import CalibrationCache
+from machinery import configurator
+from machinery.generation import engine, loading, packing
+from machinery.serving import openai_api
+from machinery.generation.calibration_cache import CalibrationCache
 from machinery.configurator import setting
 from machinery.errors import UserError, run_main
 

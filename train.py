@@ -9,7 +9,7 @@ or data-parallel over many GPUs / nodes with torchrun:
 
 Every setting is a field of TrainConfig below; `python train.py --help` lists them. Read it top to bottom: the
 settings, main(), then the Trainer: its setup, the loop, and the loop's named steps (evaluate_and_checkpoint,
-optimizer_step). When the loop evaluates or saves, and the evaluation itself, are machinery/evaluation.py's; the
+optimizer_step). When the loop evaluates or saves, and the evaluation itself, are machinery/training/evaluation.py's; the
 learning-rate schedule is optimizers.get_lr; what a checkpoint records, checkpoint.training_state and resume_state.
 """
 
@@ -22,17 +22,19 @@ import machinery.torch_import  # noqa: F401  (first: torch imported with the col
 
 import torch
 
-from machinery import (chat, checkpoint, compile_trial, configurator, conversations, convert, dataset, distributed,
-                       lora, meta, outdir, sdpa_backend, step_graph)
+from machinery import configurator, distributed
+from machinery.data import chat, conversations, dataset, meta
+from machinery.training import compile_trial, outdir, sdpa_backend, step_graph
+from machinery.weights import checkpoint, convert, lora
 from machinery.configurator import setting
-from machinery.dataset import DATA_DIR
+from machinery.data.dataset import DATA_DIR
 from machinery.errors import UserError, run_main
-from machinery.evaluation import eval_due, save_due, split_losses
+from machinery.training.evaluation import eval_due, save_due, split_losses
 from machinery.hardware import (autocast, describe, device_setting, dtype_setting, enable_tf32, grad_scaler,
                                 peak_flops, pick_dtype)
-from machinery.metrics import Metrics
-from machinery.nonfinite import NonFinite
-from machinery.scoring import TrainingHellaSwag
+from machinery.training.metrics import Metrics
+from machinery.training.nonfinite import NonFinite
+from machinery.training.scoring import TrainingHellaSwag
 from model import GPT, GPTConfig
 from optimizers import POLAR_EXPRESS, build_optimizer, set_schedule
 
@@ -78,7 +80,7 @@ class TrainConfig:
                                 "the weights' own when resuming or finetuning")
     qk_norm: bool = setting(False, "normalise each head's queries and keys (QK-norm; steadier with Muon)")
     mlp_ratio: int = setting(4, "the MLP's hidden width in multiples of n_embd (GPT-2: 4)")
-    # LoRA (machinery/lora.py): train low-rank adapters on the linear layers, every weight of the model frozen
+    # LoRA (machinery/weights/lora.py): train low-rank adapters on the linear layers, every weight of the model frozen
     lora_rank: int = setting(0, "LoRA: the adapters' rank (0: no LoRA, every weight trains)")
     lora_alpha: float = setting(16.0, "LoRA: the adapters' output is scaled by lora_alpha / lora_rank")
     lora_dropout: float = setting(0.0, "LoRA: dropout on the adapters' input")
@@ -106,9 +108,9 @@ class TrainConfig:
     dtype: str = dtype_setting()
     compile: Optional[bool] = setting(None, "torch.compile the model (None: on for CUDA)")
     cuda_graph: Optional[bool] = setting(None, "run each training step as one captured CUDA graph (None: on for CUDA "
-                                               "in one process where it applies; machinery/step_graph.py)")
+                                               "in one process where it applies; machinery/training/step_graph.py)")
     sdpa_backend: str = setting("auto", "training's attention kernel: auto (PyTorch's choice), flash, cudnn, "
-                                        "efficient or math (refused where it cannot run; machinery/sdpa_backend.py)")
+                                        "efficient or math (refused where it cannot run; machinery/training/sdpa_backend.py)")
     parallel: str = setting("ddp", "under torchrun: ddp (replicate the model) or fsdp (shard it)")
     seed: int = setting(1337, "random seed")
 
@@ -298,7 +300,7 @@ class Trainer:
         """One optimizer step: accum micro-batches on this rank, the first being (x, y); gradients are
         synchronised across ranks only on the last one. Returns the last micro-batch's loss (divided by
         accum; on chat data the step's loss) and the next batch, fetched while the device works. With
-        cuda_graph, the same step replayed as one CUDA graph (machinery/step_graph.py)."""
+        cuda_graph, the same step replayed as one CUDA graph (machinery/training/step_graph.py)."""
         if self.step_graph and self.step_graph.ready():
             return self.step_graph.step(x, y)
         for micro_step in range(self.accum):

@@ -33,9 +33,11 @@ import torch
 
 from benchmarks.prepare import describe_machine
 from benchmarks.runs import setting_args
-from machinery import chat, configurator, conversations, engine, loading, packing
+from machinery import configurator
+from machinery.data import chat, conversations
+from machinery.generation import engine, loading, packing
 from machinery.errors import UserError
-from machinery.request import Request
+from machinery.generation.request import Request
 
 SYSTEM = "Answer questions about the user's list of words."
 # common nouns, half of them animals, each one GPT-2 token after a space (tests/test_bench.py checks)

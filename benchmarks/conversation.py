@@ -1,5 +1,5 @@
 """
-bench.py --mode=conversation: the prefix cache (machinery/prefix_cache.py) through serve.py, on conversations.
+bench.py --mode=conversation: the prefix cache (machinery/generation/prefix_cache.py) through serve.py, on conversations.
 
 A random model of GPT-2's architecture (124M with bench.py's default settings) on the CPU, in --dtype (auto, as
 serve.py's default). A conversation is a 300-token system prompt, then 8 turns of a 30-token user message and a
@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.serve import GPT2_VOCAB_SIZE, free_port, gpt2_shaped, start_server
 from machinery.hardware import pick_dtype
-from machinery.tokenizer import GPT2Tokenizer
+from machinery.data.tokenizer import GPT2Tokenizer
 
 SYSTEM, USER, REPLY, TURNS, CONVERSATIONS = 300, 30, 40, 8, 8
 THINK_S = 1.0  # between a reply and the next turn

@@ -41,8 +41,8 @@ from benchmarks import runs, serve
 from benchmarks.profile import kernel_table, top_kernels
 from machinery.errors import UserError
 from machinery.hardware import describe, pick_device, pick_dtype
-from machinery.request import Request
-from machinery.tokenizer import GPT2_VOCAB_SIZE
+from machinery.generation.request import Request
+from machinery.data.tokenizer import GPT2_VOCAB_SIZE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_cuda_decoding.py", "tests/test_cuda_decisions.py"]

@@ -35,10 +35,10 @@ from typing import Optional
 
 import torch
 
-from machinery import corpus, documents
+from machinery.data import corpus, documents
 from machinery.errors import UserError
 from machinery.fileio import read_text
-from machinery.tokenizer import gpt2_encoding
+from machinery.data.tokenizer import gpt2_encoding
 
 SYNTHETIC_DOC_LINES = 60  # documents of ~2.5 kB from Tiny Shakespeare
 BASELINE_BATCH_DOCS = 8192  # documents per encode_ordinary_batch call

@@ -26,7 +26,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from machinery import configurator, dataset, meta
+from machinery import configurator
+from machinery.data import dataset, meta
 from machinery.errors import UserError
 from machinery.hardware import describe as describe_device
 from machinery.hardware import peak_flops, pick_device, pick_dtype

@@ -49,12 +49,13 @@ import time
 import torch
 
 from benchmarks.llama_runs import llama_cpp_greedy, llama_cpp_text_loss
-from machinery import convert, decode, engine, gguf_export, loading, packing, quantize
+from machinery.generation import decode, engine, loading, packing
+from machinery.weights import convert, gguf_export, quantize
 from machinery.fileio import read_text
 from machinery.hardware import DTYPES
-from machinery.meta import DatasetMeta
-from machinery.request import Request
-from machinery.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE
+from machinery.data.meta import DatasetMeta
+from machinery.generation.request import Request
+from machinery.data.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE
 from model import GPT
 
 READ_BYTES = 1 << 29  # (512 MiB: far beyond any cache)

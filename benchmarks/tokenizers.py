@@ -54,7 +54,7 @@ figures = {"learn_s": seconds, "tokens": len(tok.encode(text).ids), "vocab": tok
 """
 RUSTBPE_LEARN = """
 import json, sys, time
-from machinery import bpe
+from machinery.data import bpe
 text, n, cut = open(sys.argv[1], encoding="utf-8").read(), int(sys.argv[2]), float(sys.argv[3])
 start = time.perf_counter()
 tok = bpe.learn([text[:int(len(text) * cut)]], n)

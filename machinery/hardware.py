@@ -17,7 +17,7 @@ The CPU kinds this knows (cpu_kind), and what is chosen on each (measured: BENCH
     AMX            bfloat16; oneDNN's AMX kernels for prompts, at every number of rows (ONEDNN_VERBOSE=1
                    names brg_matmul:avx10_1_512_amx), which block, and so round, otherwise beyond some
                    number of rows (packing.calibrate); decoding passes' products our own AMX kernel's,
-                   over oneDNN's packing, each row alone (machinery/bf16_rows.py); a decoding row's
+                   over oneDNN's packing, each row alone (machinery/generation/bf16_rows.py); a decoding row's
                    attention our own kernel's too, over a bfloat16 KV cache; and with both, a decoding
                    pass's whole Block one call of ours (LayerNorms, GELU too)
     AVX-512 BF16   bfloat16; oneDNN's AVX-512 BF16 kernels
@@ -25,7 +25,7 @@ The CPU kinds this knows (cpu_kind), and what is chosen on each (measured: BENCH
     AVX2           float32 (bfloat16 emulated, ~50x slower; --dtype=float16 for one fast stream)
 
 On every kind the generation engine measures at start which rows its products compute alike
-(packing.calibrate; once a machine, kept by machinery/calibration_cache.py). llama.cpp, which the
+(packing.calibrate; once a machine, kept by machinery/generation/calibration_cache.py). llama.cpp, which the
 tests and benchmarks run, is built for the kind at hand without its AMX kernels
 (.ci/install-llama-cpp).
 """

@@ -385,7 +385,7 @@ def fake_hub(monkeypatch, tmp_path, files, repo_id="HuggingFaceFW/fineweb-edu"):
 @pytest.fixture
 def calibrations(monkeypatch):
     """The `most` of each measurement packing.calibrate makes (a layer shape each, _rows_alone), as they are made."""
-    from machinery import packing
+    from machinery.generation import packing
 
     made, rows_alone = [], packing._rows_alone
 
@@ -578,8 +578,9 @@ def taught_chat_dir(tmp_path_factory):
     assistant's end of turn: full-batch AdamW on the assistant's tokens (chat.encode's mask) until it knows them."""
     import torch
 
-    from machinery import chat, checkpoint
-    from machinery.meta import DatasetMeta
+    from machinery.data import chat
+    from machinery.weights import checkpoint
+    from machinery.data.meta import DatasetMeta
     from model import GPT, GPTConfig
     from train import TrainConfig
 

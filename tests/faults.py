@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from machinery import checkpoint
+from machinery.weights import checkpoint
 from model import GPT
 import train
 

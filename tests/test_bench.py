@@ -19,10 +19,11 @@ from benchmarks import prepare as bench_prepare
 from benchmarks import runs as bench_runs
 from benchmarks import serve as bench_serve
 from conftest import ROOT, assert_one_error_line, make_corpus, run_in_process
-from machinery import chat, configurator, meta
+from machinery import configurator
+from machinery.data import chat, meta
 from machinery.configurator import UserError
 from machinery.hardware import pick_dtype
-from machinery.tokenizer import gpt2_encoding
+from machinery.data.tokenizer import gpt2_encoding
 from model import GPT, GPTConfig
 
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--device=cpu", "--warmup=1", "--repeats=3"]
@@ -91,7 +92,7 @@ def test_sample_py_is_timed_as_users_run_it_from_the_difference_of_two_runs(hf_d
     fake_clock(monkeypatch, [1.0, 1.0, 2.0, 1.5, 1.5, 1.25], module=bench_serve)
     assert math.isnan(bench_serve.sample_command(str(path), "cpu", "float32", n, repeats=3)[0])
     # a run whose CUDA graph failed to capture (the fixed step's note on stderr) is an error, not an eager figure
-    from machinery import decode
+    from machinery.generation import decode
 
     note = f"{decode.EAGER_NOTE} (RuntimeError: operation not permitted when stream is capturing)\n"
     monkeypatch.setattr(bench_serve.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "x", note))

@@ -1,4 +1,4 @@
-"""Our own kernel for decoding's bfloat16 products (machinery/bf16_rows.py, bf16_rows.c): what it computes,
+"""Our own kernel for decoding's bfloat16 products (machinery/generation/bf16_rows.py, bf16_rows.c): what it computes,
 that a row's result does not depend on the other rows, that it reads only a weight laid out as it expects, how
 it is built, and the engine decoding with it."""
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from machinery import bf16_rows, decode, engine, packing
-from machinery.request import Request
+from machinery.generation import bf16_rows, decode, engine, packing
+from machinery.generation.request import Request
 from model import GPT, GPTConfig
 from test_engine import Tokens, scored, small_model
 
@@ -86,7 +86,7 @@ def test_a_weight_not_laid_out_as_the_kernel_reads_it_is_refused():
 
 BUILD = """
 import json, os
-from machinery import bf16_rows
+from machinery.generation import bf16_rows
 cache = os.path.join(os.environ["XDG_CACHE_HOME"], "nanogpt")
 print(json.dumps([bf16_rows.load() is not None, sorted(os.listdir(cache)) if os.path.isdir(cache) else []]))
 """

@@ -1,4 +1,4 @@
-"""A BPE learned on the dataset (prepare.py --tokenizer=bpe, machinery/bpe.py): exact round trips, the learner's
+"""A BPE learned on the dataset (prepare.py --tokenizer=bpe, machinery/data/bpe.py): exact round trips, the learner's
 own encoder as the reference, the files beside meta.json, bad input, and a checkpoint that carries it; a directory
 of documents (corpus.py's shards) learned on its training documents alone, trained from, and continued after a
 stop."""
@@ -17,8 +17,9 @@ import torch
 import prepare
 import sample
 from conftest import assert_one_error_line, fake_hub, make_corpus, run_in_process, tiny_train_args, train
-from machinery import bpe, chat, checkpoint, corpus as shard_corpus, documents, meta, shards
-from machinery.tokenizer import EOT_TEXT, GPT2_PATTERN, parse_ranks
+from machinery.data import bpe, chat, corpus as shard_corpus, documents, meta, shards
+from machinery.weights import checkpoint
+from machinery.data.tokenizer import EOT_TEXT, GPT2_PATTERN, parse_ranks
 from model import GPT, GPTConfig
 from train import TrainConfig
 

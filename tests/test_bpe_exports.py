@@ -11,7 +11,7 @@ import export
 import llama_side
 import prepare
 from conftest import run_in_process
-from machinery import meta
+from machinery.data import meta
 from model import GPT, GPTConfig
 from test_bpe import VOCAB, corpus, random_texts
 from test_gguf import assert_llama_logits, checkpoint_of, in_llama, vectors_moved

@@ -1,4 +1,4 @@
-"""The chat format (machinery/chat.py): a conversation's token ids and loss mask written out by hand, text that looks
+"""The chat format (machinery/data/chat.py): a conversation's token ids and loss mask written out by hand, text that looks
 like a special token stays text, and Hugging Face's apply_chat_template with chat.jinja_template gives the same ids
 and mask (transformers, on GPT-2's own tokenizer files); talking to a chat model: sample.py --chat, the context
 kept to block_size by dropping the oldest turns, export.py's tokenizer (apply_chat_template on the exported
@@ -12,9 +12,10 @@ import pytest
 import export
 import sample
 from conftest import TAUGHT, assert_one_error_line, run_in_process
-from machinery import chat, talk
+from machinery.data import chat
+from machinery.generation import talk
 from machinery.errors import UserError
-from machinery.tokenizer import CharTokenizer
+from machinery.data.tokenizer import CharTokenizer
 
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
                 {"role": "assistant", "content": "4."}, {"role": "user", "content": "And 3+3?"},
@@ -65,7 +66,8 @@ def test_hugging_faces_apply_chat_template_gives_the_same_ids_and_mask(tmp_path)
 
     from transformers import AutoTokenizer
 
-    from machinery import convert, meta
+    from machinery.data import meta
+    from machinery.weights import convert
 
     for name, content in convert.hf_tokenizer_files(meta.DatasetMeta.gpt2(), 1024).items():  # GPT-2's own files
         (tmp_path / name).write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
@@ -108,8 +110,8 @@ def test_sample_py_chat_mistakes_are_one_line_errors(taught_chat_dir, args, word
 def test_a_model_not_tuned_on_a_chat_format_cannot_chat(tmp_path, monkeypatch):
     import torch
 
-    from machinery import checkpoint
-    from machinery.meta import DatasetMeta
+    from machinery.weights import checkpoint
+    from machinery.data.meta import DatasetMeta
     from model import GPT, GPTConfig
     from train import TrainConfig
 

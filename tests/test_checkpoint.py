@@ -9,7 +9,8 @@ import shutil
 import pytest
 import torch
 
-from machinery import checkpoint, fileio
+from machinery import fileio
+from machinery.weights import checkpoint
 import faults
 from conftest import assert_one_error_line, assert_one_line, load_checkpoint, run_in_process, tiny_train_args
 from machinery.errors import UserError

@@ -1,4 +1,4 @@
-"""Chat datasets (machinery/conversations.py): prepare.py chat writes each conversation's chat.encode ids and mask,
+"""Chat datasets (machinery/data/conversations.py): prepare.py chat writes each conversation's chat.encode ids and mask,
 cuts or drops the long ones and counts them, stops on a malformed line with one line and nothing written; train.py
 trains on whole conversations, one a row, with the step's loss the mean over all its target tokens (written out here
 with per-token cross-entropy), resumes exactly, and 2 DDP ranks equal one process."""
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from conftest import (ROOT, assert_one_error_line, load_checkpoint, perturb, run_in_process, tiny_train_args,
                       train)
-from machinery import chat, conversations
+from machinery.data import chat, conversations
 from machinery.configurator import parse
 from model import GPT, GPTConfig
 import prepare
@@ -345,7 +345,7 @@ def test_lora_on_chat_data_trains_the_special_tokens_rows_merged_on_load_and_as_
     """With LoRA the embedding is frozen, but the chat format's tokens (rows that start equal: each would get the
     same logit, and the end of a turn could never be told apart) train with the adapters."""
     import export
-    from machinery import checkpoint, lora
+    from machinery.weights import checkpoint, lora
 
     path, hf = hf_dir
     out = tmp_path / "out"

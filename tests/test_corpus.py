@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import assert_one_error_line, assert_one_line, fake_hub, run_in_process, tiny_train_args, train
-from machinery import corpus, documents
+from machinery.data import corpus, documents
 from machinery.errors import UserError
-from machinery.tokenizer import gpt2_encoding
+from machinery.data.tokenizer import gpt2_encoding
 import prepare as prepare_script
 
 EOT = 50256

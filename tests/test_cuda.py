@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import run_in_process, tiny_train_args
-from machinery import sdpa_backend
+from machinery.training import sdpa_backend
 from machinery.configurator import parse
 import optimizers
 from test_distributed import ckpt, launch, max_weight_diff, ok, report, train_args
@@ -97,7 +97,7 @@ EXACT_RATES = dict(learning_rate=2 ** -8, warmup_iters=3, lr_decay_iters=3, min_
 def graphed_or_eager_steps(data_dir, out, graphed, n, **settings):
     """n of train.py's steps on the GPU in float32 (TF32 off), eager or as the CUDA graph (each replay under
     sync_debug_mode "error": a host sync would raise); the losses and copies of what training keeps."""
-    from machinery import checkpoint
+    from machinery.weights import checkpoint
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     args = tiny_train_args(data_dir, out, device="cuda", dtype="float32", gradient_accumulation_steps=2, dropout=0.1,
@@ -129,7 +129,7 @@ def graphed_or_eager_steps(data_dir, out, graphed, n, **settings):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_the_cuda_graph_step_is_the_eager_step_bit_for_bit_and_syncs_nothing(tmp_path, data_dir, tf32_off, optimizer):
-    """The step captured as one CUDA graph (machinery/step_graph.py) against train.py's eager step: 5 steps of a
+    """The step captured as one CUDA graph (machinery/training/step_graph.py) against train.py's eager step: 5 steps of a
     changing learning rate and Muon momentum, 2 micro-batches, dropout, clipping. Bit for bit where the learning
     rates are float32 numbers. Other rates: torch's fused CUDA AdamW reads a tensor lr as a float but computes
     with a Python float lr as a double, so the graphed step's AdamW rate is the schedule's rounded to float32

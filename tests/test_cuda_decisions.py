@@ -21,8 +21,9 @@ import torch
 
 from conftest import ROOT, START_ENV, assert_one_error_line, tiny_train_args
 from conftest import train as train_in_process
-from machinery import checkpoint, distributed, hardware
-from machinery.dataset import BatchSampler
+from machinery import distributed, hardware
+from machinery.weights import checkpoint
+from machinery.data.dataset import BatchSampler
 from machinery.configurator import parse
 from machinery.distributed import World
 from machinery.errors import UserError

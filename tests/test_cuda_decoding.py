@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
-from machinery import decode, engine, model_runner, packing
-from machinery.request import Request
+from machinery.generation import decode, engine, model_runner, packing
+from machinery.generation.request import Request
 from model import attention_backends
 from test_decode_attention import BLOCK, EDGES, among_others
 from test_engine import Tokens, run, small_model

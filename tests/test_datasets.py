@@ -93,7 +93,7 @@ def test_ids_beyond_the_vocabulary_that_meta_json_does_not_know_stop_naming_the_
         (other / "train.bin").write_bytes(ids[:-1].astype("<u2").tobytes())
         (other / "val.bin").write_bytes((tiny / "val.bin").read_bytes())
         meta = json.loads((tiny / "meta.json").read_text())
-        from machinery import meta as meta_module
+        from machinery.data import meta as meta_module
 
         meta_module.write(meta_module.DatasetMeta(**meta), other)
         (tiny / "train.bin").write_bytes(bad.astype("<u2").tobytes())
@@ -106,7 +106,7 @@ def test_ids_beyond_the_vocabulary_that_meta_json_does_not_know_stop_naming_the_
 
 
 def test_meta_json_describes_the_files_prepare_wrote_and_no_others(tmp_path, char_data):
-    from machinery import meta
+    from machinery.data import meta
 
     tiny = char_data / "tiny"
     recorded = meta.read(tiny)

@@ -8,9 +8,9 @@ is refused where no fixed step runs."""
 import pytest
 import torch
 
-from machinery import decode, engine, loading, model_runner, packing
+from machinery.generation import decode, engine, loading, model_runner, packing
 from machinery.errors import UserError
-from machinery.request import Request
+from machinery.generation.request import Request
 from test_engine import Tokens, small_model
 
 

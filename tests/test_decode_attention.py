@@ -1,4 +1,4 @@
-"""The fixed decoding step's attention (machinery/decode_attention.py), on the CPU: flex (each row over its own blocks
+"""The fixed decoding step's attention (machinery/generation/decode_attention.py), on the CPU: flex (each row over its own blocks
 of the cache, through a block mask built at every step) is the float64 reference at every length and block edge
 and full's within float32 rounding, a row's result is bit for bit the same whatever the other rows' lengths, the
 block mask has the kernel read exactly a row's positions, the KV bytes a row reads grow with its length and not
@@ -14,11 +14,11 @@ import torch
 import sample
 import serve
 from conftest import assert_one_error_line, assert_one_line, run_in_process
-from machinery import decode, decode_attention, engine, packing
+from machinery.generation import decode, decode_attention, engine, packing
 from machinery.configurator import parse
-from machinery.decode_attention import BLOCK
+from machinery.generation.decode_attention import BLOCK
 from machinery.errors import UserError
-from machinery.request import Request
+from machinery.generation.request import Request
 from model import GPTConfig, Head
 from test_engine import Tokens, cuda_stand_ins, run, small_model
 

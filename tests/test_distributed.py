@@ -23,7 +23,8 @@ import torch
 from conftest import (ROOT, START_ENV, descendants, finish, free_port, kill_tree, read_lines, run_in_process,
                       tiny_train_args, wait_for_line)
 from dist_worker import Instruments, instrumented_run
-from machinery import distributed, meta
+from machinery import distributed
+from machinery.data import meta
 from machinery.errors import UserError
 import train
 

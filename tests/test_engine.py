@@ -1,4 +1,4 @@
-"""The generation engine (machinery/engine.py): streamed text, stop texts, and a request's tokens that do not
+"""The generation engine (machinery/generation/engine.py): streamed text, stop texts, and a request's tokens that do not
 depend on what else runs."""
 
 import contextlib
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from machinery import engine, packing
-from machinery.request import QueueFull, Request, StreamText
-from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
+from machinery.generation import engine, packing
+from machinery.generation.request import QueueFull, Request, StreamText
+from machinery.data.tokenizer import CharTokenizer, GPT2Tokenizer
 from test_generate import CUDA_BACKENDS, cuda_attention_stand_ins
 
 
@@ -384,7 +384,7 @@ def test_on_cuda_every_attention_call_of_a_step_runs_with_the_kernels_chosen(mon
     """Each step enters model.attention_backends' choice for CUDA (the one generate enters), around every
     attention call, a prompt's and a decoding row's (CUDA's choice stood in for; the model runs on the CPU)."""
     runner = engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2, fixed=fixed)
-    record = cuda_attention_stand_ins(monkeypatch, "machinery.engine")
+    record = cuda_attention_stand_ins(monkeypatch, "machinery.generation.engine")
     run(runner, [Request([1, 5, 9], max_tokens=6, temperature=0), Request([2, 7], max_tokens=4)])
     assert record.backends and all(backends == CUDA_BACKENDS for backends in record.backends)
     assert set(record.devices) == {torch.device("cpu")} and len(record.devices) == len(record.backends)

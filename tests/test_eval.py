@@ -14,8 +14,11 @@ import torch
 
 from conftest import assert_one_error_line, hf_model, run_in_process, tiny_train_args, train
 import eval as evaluation
-from machinery import distributed, loading, meta, metrics, scoring
-from machinery.tokenizer import GPT2Tokenizer
+from machinery import distributed
+from machinery.data import meta
+from machinery.generation import loading
+from machinery.training import metrics, scoring
+from machinery.data.tokenizer import GPT2Tokenizer
 
 BLOCK = 64  # n_positions of the test model
 TOL = 1e-4

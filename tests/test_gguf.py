@@ -1,4 +1,4 @@
-"""export.py --to=gguf (machinery/gguf_export.py), checked by llama.cpp itself: the files are loaded with
+"""export.py --to=gguf (machinery/weights/gguf_export.py), checked by llama.cpp itself: the files are loaded with
 llama-cpp-python (a test-only dependency, built from source at install time) and what llama.cpp computes is
 compared with our model.
 
@@ -33,9 +33,11 @@ from conftest import TAUGHT, WORDS, assert_one_error_line, perturb, run_in_proce
 from conftest import train as train_in_process
 import export
 import llama_side
-from machinery import chat, checkpoint, gguf_export, quantize, scoring
-from machinery.meta import DatasetMeta
-from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
+from machinery.data import chat
+from machinery.training import scoring
+from machinery.weights import checkpoint, gguf_export, quantize
+from machinery.data.meta import DatasetMeta
+from machinery.data.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig
 from native import in_child
 import train

@@ -23,11 +23,12 @@ from conftest import assert_one_error_line, assert_one_line, finetune_args, hf_m
 from conftest import run_in_process
 from conftest import train as train_in_process
 import export
-from machinery import checkpoint, convert, gpt2_weights, packing
+from machinery.generation import packing
+from machinery.weights import checkpoint, convert, gpt2_weights
 from machinery.configurator import parse
 from machinery.errors import UserError
-from machinery.meta import DatasetMeta
-from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
+from machinery.data.meta import DatasetMeta
+from machinery.data.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig
 import sample
 import train

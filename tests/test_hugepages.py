@@ -1,11 +1,11 @@
-"""Huge pages for the weights (machinery/hugepages.py), and the engine moving its weights there once it has
+"""Huge pages for the weights (machinery/generation/hugepages.py), and the engine moving its weights there once it has
 run the model often enough to gain the move back."""
 
 import pytest
 import torch
 
-from machinery import engine, hugepages, model_runner, packing
-from machinery.request import Request
+from machinery.generation import engine, hugepages, model_runner, packing
+from machinery.generation.request import Request
 from test_engine import Tokens, run, small_model
 
 MIB = 1 << 20

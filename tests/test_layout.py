@@ -1,8 +1,9 @@
 """The shape of the code: at the root only the commands and the model; every other module in machinery/ (what the
-commands share) or benchmarks/ (what bench.py alone uses), each flat; every module of ours imports the others as a
-tree (no cycle, lazy imports included), the machinery never a benchmark; model.py imports nothing of ours (but
-GPT-2's files' reader, in GPT.from_pretrained); no function is longer than 60 lines; README's file tree names every
-file of both packages, a line each."""
+commands share: the shared basics, then its wings, each flat, importing only the basics and the wings WINGS allows) or
+benchmarks/ (what bench.py alone uses, flat); every module of ours imports the others as a tree (no cycle, lazy
+imports included), the machinery never a benchmark; model.py imports nothing of ours (but GPT-2's files' reader, in
+GPT.from_pretrained); the files stay readable in size (SIZES) and no function is longer than 60 lines; README's file
+tree names every file of both packages, a line each."""
 
 import ast
 import subprocess
@@ -16,20 +17,27 @@ MACHINERY, BENCHMARKS = "machinery", "benchmarks"
 PACKAGES = (MACHINERY, BENCHMARKS)
 # what a user runs or reads first: the model (and its optimizers, part of the model's story), and the commands
 ROOT_MODULES = {"model", "optimizers", "train", "sample", "prepare", "eval", "export", "plot", "bench", "serve"}
-MODULES = {p.stem: p for p in ROOT.glob("*.py")} | {f"{package}.{p.stem}": p for package in PACKAGES
-                                                     for p in (ROOT / package).glob("*.py") if p.stem != "__init__"}
+# machinery's wings, in order: the wings each may import, besides the shared basics (machinery/*.py, which import no wing)
+WINGS = {"data": set(), "weights": {"data"}, "training": {"data", "weights"}, "generation": {"data", "weights"},
+         "serving": {"data", "weights", "generation"}}
+MODULES = {p.stem: p for p in ROOT.glob("*.py")} | {
+    ".".join(p.relative_to(ROOT).with_suffix("").parts): p
+    for p in [*(ROOT / BENCHMARKS).glob("*.py"), *(ROOT / MACHINERY).glob("*.py"), *(ROOT / MACHINERY).glob("*/*.py")]
+    if p.stem != "__init__"}
+# the most lines a file may hold: the model and the loop as a learner reads them beside nanoGPT's (~330 lines each)
+SIZES = {"model": 400, "train": 450, MACHINERY: 600}
 COMMANDS = {name for name in MODULES if "." not in name} - {"model", "optimizers"}
 
 
 def package_modules(package):
-    """The dotted names of the modules of one of our packages (machinery.meta, ...)."""
+    """The dotted names of the modules of one of our packages (machinery.data.meta, ...)."""
     return sorted(name for name in MODULES if name.startswith(f"{package}."))
 
 
 def imported_names(name):
     """Every dotted name that module `name` imports anywhere in its source (inside functions too), ours or not:
-    `from machinery import meta`, `import machinery.meta` and `from machinery.meta import x` all give
-    machinery.meta (and machinery)."""
+    `from machinery import meta`, `import machinery.data.meta` and `from machinery.data.meta import x` all give
+    machinery.data.meta (and machinery)."""
     tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
     found = set()
     for node in ast.walk(tree):
@@ -84,7 +92,7 @@ def test_the_walker_finds_imports_at_any_depth_and_cycles():
     # the check itself, on a made-up graph and on this project's kinds of import
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
-    assert "machinery.lora" in project_imports("machinery.checkpoint")  # from machinery import lora
+    assert "machinery.weights.lora" in project_imports("machinery.weights.checkpoint")  # from machinery import lora
     assert "model" in project_imports("train")  # from model import GPT
     assert "machinery.errors" in project_imports("train")  # from machinery.errors import UserError
     assert "benchmarks.runs" in project_imports("benchmarks.chat")  # from benchmarks.runs import setting_args
@@ -100,15 +108,15 @@ def test_every_module_imports_the_others_as_a_tree():
 
 
 def test_model_py_imports_nothing_of_the_project_but_gpt2_s_files_in_from_pretrained():
-    # model.py stands alone: its one import of ours, machinery.gpt2_weights, is inside GPT.from_pretrained only, and
+    # model.py stands alone: its one import of ours, machinery.weights.gpt2_weights, is inside GPT.from_pretrained only, and
     # gpt2_weights imports nothing of ours but machinery.errors (so model.py never reaches the rest, and no cycle)
-    assert project_imports("model") == {"machinery.gpt2_weights"}
+    assert project_imports("model") == {"machinery.weights.gpt2_weights"}
     tree = ast.parse(MODULES["model"].read_text(encoding="utf-8"))
     where = [".".join(scope) for scope, node in walk_scopes(tree)
              if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == MACHINERY
              or isinstance(node, ast.Import) and any(a.name.split(".")[0] == MACHINERY for a in node.names)]
     assert where == ["GPT.from_pretrained"], where
-    assert project_imports("machinery.gpt2_weights") <= {"machinery.errors"}
+    assert project_imports("machinery.weights.gpt2_weights") <= {"machinery.errors"}
 
 
 def walk_scopes(node, scope=()):
@@ -128,9 +136,38 @@ def test_the_root_holds_the_commands_and_the_model_and_the_packages_hold_the_res
         assert any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in tree.body), name
     for package in PACKAGES:
         assert (ROOT / package / "__init__.py").is_file()
-        assert not [p for p in (ROOT / package).iterdir() if p.is_dir() and p.name != "__pycache__"]  # flat inside
+        folders = {p.name for p in (ROOT / package).iterdir() if p.is_dir() and p.name != "__pycache__"}
+        assert folders == (set(WINGS) if package == MACHINERY else set()), folders  # the benchmarks flat
         for name in package_modules(package):  # the machinery and the benchmarks are below the commands
             assert not project_imports(name) & COMMANDS, (name, project_imports(name) & COMMANDS)
+    for wing in WINGS:  # each wing flat, a package saying what it owns
+        assert (ROOT / MACHINERY / wing / "__init__.py").read_text(encoding="utf-8").startswith('"""'), wing
+        assert not [p for p in (ROOT / MACHINERY / wing).iterdir() if p.is_dir() and p.name != "__pycache__"], wing
+
+
+def wing_of(name):
+    """The wing of a module of machinery (machinery.data.meta -> data), "" for a shared basic, None elsewhere."""
+    parts = name.split(".")
+    return None if parts[0] != MACHINERY else parts[1] if len(parts) == 3 else ""
+
+
+def test_each_wing_imports_only_the_basics_and_the_wings_below_it():
+    assert wing_of("machinery.data.meta") == "data" and wing_of("machinery.errors") == "" and wing_of("train") is None
+    for name in package_modules(MACHINERY):
+        wings = {wing_of(n) for n in project_imports(name) if n != "model"} - {"", None}
+        allowed = WINGS.get(wing_of(name), set()) | {wing_of(name)} - {""}
+        assert wings <= allowed, (name, sorted(wings - allowed))
+
+
+def test_the_files_stay_the_size_a_reader_takes_in():
+    for name, path in MODULES.items():
+        most = SIZES.get(name, SIZES[MACHINERY] if wing_of(name) is not None else None)
+        if most:
+            assert len(path.read_text(encoding="utf-8").splitlines()) <= most, name
+    # the scheduler alone: what runs the model, the requests' types and the CPU's layers are owners of their own
+    tree = ast.parse(MODULES["machinery.generation.engine"].read_text(encoding="utf-8"))
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    assert engine.end_lineno - engine.lineno + 1 <= 300
 
 
 def test_the_machinery_never_imports_the_benchmarks():

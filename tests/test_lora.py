@@ -1,4 +1,4 @@
-"""LoRA (train.py --lora_rank, machinery/lora.py) against Hugging Face's peft, float32, on a tiny random GPT-2.
+"""LoRA (train.py --lora_rank, machinery/weights/lora.py) against Hugging Face's peft, float32, on a tiny random GPT-2.
 
 peft is the reference: its LoRA on transformers' GPT2LMHeadModel (Conv1D layers, fan_in_fan_out) starts as ours,
 takes the same optimizer step on the same batch, and loads our adapter-only export; transformers loads the merged
@@ -24,8 +24,10 @@ import export
 import sample
 import serve
 import train as train_script
-from machinery import checkpoint, configurator, convert, loading, lora
-from machinery.meta import DatasetMeta
+from machinery import configurator
+from machinery.generation import loading
+from machinery.weights import checkpoint, convert, lora
+from machinery.data.meta import DatasetMeta
 from model import GPT, GPTConfig
 from optimizers import set_schedule
 

@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.colors import to_rgba
 
 from conftest import assert_one_error_line, run_in_process
-from machinery import metrics
+from machinery.training import metrics
 import plot
 
 plt = plot.import_pyplot()  # pyplot on the Agg backend (no screen)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import run_in_process, tiny_train_args
-from machinery import checkpoint, meta
+from machinery.data import meta
+from machinery.weights import checkpoint
 from machinery.configurator import parse
 from machinery.errors import UserError
 from model import GPT, GPTConfig

@@ -9,8 +9,8 @@ import openai
 import pytest
 import torch
 
-from machinery import openai_responses
-from machinery.tokenizer import GPT2Tokenizer
+from machinery.serving import openai_responses
+from machinery.data.tokenizer import GPT2Tokenizer
 from test_serve import HTTP, NAME, TOL, ckpt_dir, client, post, reference_logprobs, serving  # noqa: F401
 
 MESSAGES = [{"role": "system", "content": "A play."}, {"role": "user", "content": "Who art thou?"}]

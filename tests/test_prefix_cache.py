@@ -1,4 +1,4 @@
-"""The prefix cache (machinery/prefix_cache.py) in the engine: the same tokens and log-probabilities with it as
+"""The prefix cache (machinery/generation/prefix_cache.py) in the engine: the same tokens and log-probabilities with it as
 without, cached_tokens the tokens it really saved, a bounded LRU budget, salts kept apart, finished turns cached
 for the next, and paused streams that give their slots up and resume as if they had been read at once."""
 
@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from machinery import decode, engine, packing
-from machinery.prefix_cache import PrefixCache
-from machinery.request import Request
+from machinery.generation import decode, engine, packing
+from machinery.generation.prefix_cache import PrefixCache
+from machinery.generation.request import Request
 from test_engine import Tokens, small_model
 
 CHUNK = 8
@@ -74,7 +74,7 @@ def random_waves(seed):
 
 @pytest.mark.parametrize("seed, fixed", [(0, False), (1, False), (2, True)])
 def test_cache_on_and_off_give_the_same_events_and_cached_tokens_is_the_work_saved(model, seed, fixed):
-    """fixed: CUDA's fixed-shape decoding step (machinery/decode.py), run here on the CPU."""
+    """fixed: CUDA's fixed-shape decoding step (machinery/generation/decode.py), run here on the CPU."""
     waves = random_waves(seed)
     off = engine.Engine(model, Tokens(70), max_batch=4, prefill_chunk=CHUNK, fixed=fixed)
     on = engine.Engine(model, Tokens(70), max_batch=4, prefill_chunk=CHUNK, prefix_cache_mb=1, fixed=fixed)
@@ -274,7 +274,7 @@ def test_through_sockets_16_unread_streams_of_8_choices_let_a_new_request_comple
     few tokens fill them."""
     import httpx
 
-    from machinery import openai_api
+    from machinery.serving import openai_api
     from test_serve import ckpt_dir, serving
 
     monkeypatch.setattr(openai_api, "STREAM_BACKLOG", 2)
@@ -330,7 +330,8 @@ def test_sample_py_chat_encodes_only_each_turns_new_message_and_replies_as_witho
     import io
     import types
 
-    from machinery import chat, talk
+    from machinery.data import chat
+    from machinery.generation import talk
 
     tok = chat.tokenizer()
     model = packing.prepare(small_model(n_embd=32, block_size=256, vocab_size=tok.vocab_size), "cpu", "float32")

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from conftest import assert_one_error_line, assert_one_line, make_corpus, run, run_in_process
-from machinery import fileio, meta as dataset_meta
+from machinery import fileio
+from machinery.data import meta as dataset_meta
 from machinery.errors import UserError
-from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
+from machinery.data.tokenizer import CharTokenizer, GPT2Tokenizer
 import prepare
 
 # Speakers and punctuation, non-ASCII (2-, 3- and 4-byte UTF-8), a CRLF line and a tab:

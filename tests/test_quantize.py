@@ -1,4 +1,4 @@
-"""--quantize=int8 (machinery/quantize.py): weight-only int8 per output channel through PyTorch's
+"""--quantize=int8 (machinery/weights/quantize.py): weight-only int8 per output channel through PyTorch's
 _weight_int8pack_mm; its error against float32, and the generation engine's invariants under it (greedy
 decoding as the uncached path, a request's tokens independent of the batch, seeded determinism), as
 tests/test_engine.py checks them for the other dtypes."""
@@ -13,11 +13,12 @@ from conftest import assert_one_error_line, run_in_process
 import test_engine
 from test_engine import Tokens, run  # (the engine's own tests' helpers: a tokenizer of ids, run to the end)
 import eval as eval_script
-from machinery import checkpoint, engine, packing, quantize
-from machinery.meta import DatasetMeta
-from machinery.quantize import Int8Linear
-from machinery.request import Request
-from machinery.tokenizer import CharTokenizer
+from machinery.generation import engine, packing
+from machinery.weights import checkpoint, quantize
+from machinery.data.meta import DatasetMeta
+from machinery.weights.quantize import Int8Linear
+from machinery.generation.request import Request
+from machinery.data.tokenizer import CharTokenizer
 from model import GPT, GPTConfig
 import sample
 import serve

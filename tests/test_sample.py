@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from conftest import assert_one_error_line, make_corpus, run_in_process
-from machinery import checkpoint, engine, packing
+from machinery.generation import engine, packing
+from machinery.weights import checkpoint
 from machinery.errors import UserError
-from machinery.meta import DatasetMeta
-from machinery.tokenizer import CharTokenizer, GPT2Tokenizer
+from machinery.data.meta import DatasetMeta
+from machinery.data.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig
 import sample
 from train import TrainConfig

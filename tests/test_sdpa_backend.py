@@ -1,4 +1,4 @@
-"""train.py's --sdpa_backend on the CPU (machinery/sdpa_backend.py): each kernel PyTorch has here trains, the one
+"""train.py's --sdpa_backend on the CPU (machinery/training/sdpa_backend.py): each kernel PyTorch has here trains, the one
 asked is the one every training and evaluation forward runs, auto is PyTorch's own choice and the log names it, and
 a kernel that cannot run this training's attention is refused in one line before anything is written. (The GPU's
 kernels, cuDNN's and the memory-efficient one, run in tests/test_cuda.py.)"""
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_one_error_line, tiny_train_args, train
-from machinery import metrics, sdpa_backend
+from machinery.training import metrics, sdpa_backend
 
 RUN = dict(max_iters=6, eval_interval=3, lr_decay_iters=6)
 

@@ -23,9 +23,13 @@ from openai import DefaultHttpx2Client, OpenAI
 import sample
 import serve
 from conftest import TAUGHT, free_port, kill_tree, make_corpus, run_in_process, runs, script_zygote, wait_for_line
-from machinery import chat, checkpoint, configurator, engine, openai_api, openai_responses
-from machinery.meta import DatasetMeta
-from machinery.tokenizer import CharTokenizer
+from machinery import configurator
+from machinery.data import chat
+from machinery.generation import engine
+from machinery.serving import openai_api, openai_responses
+from machinery.weights import checkpoint
+from machinery.data.meta import DatasetMeta
+from machinery.data.tokenizer import CharTokenizer
 from model import GPT, GPTConfig
 from train import TrainConfig
 
@@ -680,7 +684,7 @@ def chat_server(taught_chat_dir):
 
 
 def test_a_chat_model_answers_in_its_format_and_stops_at_its_end_of_turn_streamed_and_not(chat_server):
-    from machinery.tokenizer import GPT2Tokenizer
+    from machinery.data.tokenizer import GPT2Tokenizer
 
     c = client(chat_server)
     for messages, reply in TAUGHT:

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import assert_one_line
-from machinery import dataset, shards
-from machinery.dataset import BatchSampler
+from machinery.data import dataset, shards
+from machinery.data.dataset import BatchSampler
 from machinery.errors import UserError
-from machinery.meta import from_path as read_meta_file
+from machinery.data.meta import from_path as read_meta_file
 
 
 def test_header_format_read_by_hand(tmp_path):

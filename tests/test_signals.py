@@ -122,7 +122,7 @@ def test_a_second_run_on_an_out_dir_in_use_stops_naming_the_first_and_writes_not
 
 
 def test_the_lock_is_released_when_a_run_ends_in_this_process(tmp_path, char_data, monkeypatch):
-    from machinery import outdir
+    from machinery.training import outdir
     import train as train_script
     from machinery.errors import UserError
 

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from conftest import ROOT, run_in_process, tiny_train_args
 from machinery import configurator, distributed
-from machinery.dataset import whole_split_batches
-from machinery.dataset import load_split
+from machinery.data.dataset import whole_split_batches
+from machinery.data.dataset import load_split
 from machinery.distributed import StopFlag
 from model import GPT, GPTConfig
 from optimizers import build_optimizer

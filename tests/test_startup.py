@@ -15,8 +15,9 @@ import tiktoken_ext.openai_public
 import torch
 
 from conftest import ROOT, perturb
-from machinery import calibration_cache, engine, packing, tokenizer
-from machinery.calibration_cache import CalibrationCache
+from machinery.data import tokenizer
+from machinery.generation import calibration_cache, engine, packing
+from machinery.generation.calibration_cache import CalibrationCache
 from model import GPT, GPTConfig
 
 CONFIG = dict(block_size=16, vocab_size=70, n_layer=2, n_head=2, n_embd=32, bias=True)

@@ -1,4 +1,4 @@
-"""train.py's step as one CUDA graph (machinery/step_graph.py), proved on the CPU: CUDA's graph is stood in for by
+"""train.py's step as one CUDA graph (machinery/training/step_graph.py), proved on the CPU: CUDA's graph is stood in for by
 Recorded, which records the ATen ops of the captured function, with the tensors and the numbers they were given, and
 replays those ops, as a graph does: a Python number is baked in at capture, a tensor is read at every replay, and a
 read of a tensor's value on the host fails the capture. With it, in float32: the graphed step is the eager step bit
@@ -18,7 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from conftest import assert_one_error_line, load_checkpoint, tiny_train_args, train
-from machinery import checkpoint, step_graph
+from machinery.training import step_graph
+from machinery.weights import checkpoint
 from machinery.configurator import parse
 from machinery.errors import UserError
 from optimizers import DeviceNumbers, get_lr, muon_momentum, set_schedule

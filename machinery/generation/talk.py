@@ -2,7 +2,7 @@
 Talking to a chat model: the prompt of the assistant's next reply within the model's context, the tokens that end a
 reply (serve.py's /v1/chat/completions asks for those too), and sample.py --chat's conversation in the terminal.
 
-A chat model is one trained on a chat format (machinery/chat.py; its data's metadata names the format). A reply is
+A chat model is one trained on a chat format (machinery/data/chat.py; its data's metadata names the format). A reply is
 generated after the conversation so far, encoded by chat.encode with its generation prompt, and ends at the
 assistant's end of turn. In the terminal the whole conversation stays in the context, turn after turn; when the
 next prompt would leave less than a reply's room in block_size, its oldest turns are dropped (a system message
@@ -14,10 +14,10 @@ import contextlib
 import itertools
 import sys
 
-from machinery import chat
+from machinery.data import chat
 from machinery.errors import UserError
-from machinery.request import Request
-from machinery.tokenizer import end_of_text_stop
+from machinery.generation.request import Request
+from machinery.data.tokenizer import end_of_text_stop
 
 PROMPT = "> "  # shown before the user's line in a terminal
 

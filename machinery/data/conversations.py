@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from machinery import chat, dataset, documents, meta
+from machinery.data import chat, dataset, documents, meta
 from machinery.errors import UserError
 from machinery.fileio import atomic_write
-from machinery.tokenizer import CharTokenizer
+from machinery.data.tokenizer import CharTokenizer
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
 DEFAULT_MAX_LEN = 1024  # GPT-2's block_size

@@ -3,7 +3,7 @@ Our model as one GGUF file, llama.cpp's format (Ollama and LM Studio read it too
 architecture, with the tokenizer inside, written with the gguf package's GGUFWriter.
 
 It writes what llama.cpp's own converter (convert_hf_to_gguf.py) writes from our Hugging Face export
-(machinery/convert.py's to_hf): the same metadata, tensor names, shapes and types, so that a model that
+(machinery/weights/convert.py's to_hf): the same metadata, tensor names, shapes and types, so that a model that
 export.py --to=hf writes and the converter converts, and one that export.py --to=gguf writes, load the
 same in llama.cpp. Two differences: the feed-forward width is the model's own (the converter writes
 4 * n_embd, which llama.cpp then refuses to load for mlp_ratio != 4), and general.name is the model's.
@@ -16,7 +16,7 @@ same in llama.cpp. Two differences: the feed-forward width is the model's own (t
              float16 where a row is not
              a multiple of 32 long)
 
-A chat model's file also holds its format (machinery/chat.py): the special tokens as control tokens, the template
+A chat model's file also holds its format (machinery/data/chat.py): the special tokens as control tokens, the template
 as tokenizer.chat_template (without the {% generation %} block, which only transformers knows) and the
 assistant's end of turn as the end-of-turn token, where llama.cpp ends a generation.
 
@@ -32,10 +32,11 @@ import importlib
 import json
 import os
 
-from machinery import chat, convert
+from machinery.data import chat
+from machinery.weights import convert
 from machinery.errors import UserError
 from machinery.fileio import temp_path
-from machinery.tokenizer import GPT2_PATTERN, gpt2_bpe_files
+from machinery.data.tokenizer import GPT2_PATTERN, gpt2_bpe_files
 
 OUTTYPES = ("f32", "f16", "q8_0")
 INSTALL = "pip install gguf==0.19.0"

@@ -7,7 +7,7 @@ owned: Muon's compiled Newton-Schulz (optimizers.py), decoding's compiled step (
 
 import torch
 
-from machinery import checkpoint
+from machinery.weights import checkpoint
 from machinery.errors import first_line
 
 

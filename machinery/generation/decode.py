@@ -5,7 +5,7 @@ request) and the two ways a step runs the model over it. Not the model (model.py
 - Rows: the rows that have tokens to feed, each attending over exactly its own positions (one attention
   call a row). The shapes change at every step. The CPU's way, and every prompt's (in chunks).
 - Fixed: every row of the cache at once, one token each, each attending over its own positions of the cache
-  (machinery/decode_attention.py: over the whole cache through a mask, or over the row's own blocks). The shapes
+  (machinery/generation/decode_attention.py: over the whole cache through a mask, or over the row's own blocks). The shapes
   never change, so on CUDA the step runs as one captured graph (a launch per step instead of hundreds), and a
   row's rounding never depends on the others: the same kernels run whatever the load. CUDA's way
   (engine.Engine's `fixed`).
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from machinery import bf16_rows, decode_attention
+from machinery.generation import bf16_rows, decode_attention
 from model import KVCache
 
 

@@ -27,9 +27,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from machinery import convert
+from machinery.weights import convert
 from machinery.errors import UserError
-from machinery.gpt2_weights import GPT2_SIZES, gpt2_weight
+from machinery.weights.gpt2_weights import GPT2_SIZES, gpt2_weight
 from model import GPT, GPTConfig
 
 TARGETS = {"attn": ("attn.qkv",), "proj": ("attn.proj",), "mlp": ("ffwd.fc", "ffwd.proj")}  # -> a Block's modules

@@ -17,11 +17,12 @@ import math
 import os
 from dataclasses import dataclass
 
-from machinery import chat, talk
+from machinery.data import chat
+from machinery.generation import talk
 from machinery.errors import UserError, first_line
-from machinery.openai_requests import APIError, Requests, check_chat_fields, field, is_id, prompts_of, read_messages
-from machinery.openai_responses import Choices, Completion, Waker, collect, completion_body, stream
-from machinery.request import QueueFull, Stopped
+from machinery.serving.openai_requests import APIError, Requests, check_chat_fields, field, is_id, prompts_of, read_messages
+from machinery.serving.openai_responses import Choices, Completion, Waker, collect, completion_body, stream
+from machinery.generation.request import QueueFull, Stopped
 
 # events a stream may leave unread before its generation pauses (Generation.max_backlog): few, as a reader that keeps
 # up takes each step's events at once, and the connection's own buffers (serve.py's SEND_BUFFER) hold its next chunks

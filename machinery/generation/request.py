@@ -3,7 +3,7 @@ A request to the generation engine and what comes back: Request (a prompt and it
 where its events wait for the reader, pausing the request while too many wait unread), Token (one event: a token, the
 text it makes final, its log-probabilities, why the generation ended), StreamText (the text as the tokens arrive, a
 stop text cut and a split UTF-8 character held back), FINISHED, and the engine's refusals (QueueFull, Stopped).
-Not owned: which rows run when (machinery/engine.py), running the model (machinery/model_runner.py).
+Not owned: which rows run when (machinery/generation/engine.py), running the model (machinery/generation/model_runner.py).
 """
 
 import collections

@@ -20,8 +20,10 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from machinery import checkpoint, convert, dataset, decode_attention, meta
-from machinery import quantize as quantization
+from machinery.data import dataset, meta
+from machinery.generation import decode_attention
+from machinery.weights import checkpoint, convert
+from machinery.weights import quantize as quantization
 from machinery.configurator import setting
 from machinery.errors import UserError
 from machinery.hardware import autocast, device_setting, dtype_setting, pick_device, pick_dtype
@@ -57,7 +59,7 @@ class RunSource(ModelSource):
     device: str = device_setting()
     dtype: str = dtype_setting()
     quantize: Optional[str] = setting(None, "int8: weight-only int8 linear layers and output head, for fast "
-                                            "decoding on the CPU (machinery/quantize.py); None: the weights "
+                                            "decoding on the CPU (machinery/weights/quantize.py); None: the weights "
                                             "in dtype")
 
     def validate(self):

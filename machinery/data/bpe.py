@@ -2,17 +2,17 @@
 Learning a byte-level BPE on a corpus: prepare.py --tokenizer=bpe --vocab_size=N.
 
 rustbpe (nanochat's learner, in Rust) learns the merges from text split by GPT-2's pattern; its mergeable ranks
-are tiktoken's, so machinery/tokenizer.py's BPETokenizer encodes with tiktoken at GPT-2's speed
+are tiktoken's, so machinery/data/tokenizer.py's BPETokenizer encodes with tiktoken at GPT-2's speed
 (BENCHMARKS.md: why rustbpe rather than Hugging Face's tokenizers). A vocabulary of N tokens is the 256 bytes,
 N - 256 - len(SPECIALS) learned merges, then the special tokens at the top ids: <|endoftext|> (between
-documents) and the chat format's (machinery/chat.py), so a chat model needs no ids outside the vocabulary.
+documents) and the chat format's (machinery/data/chat.py), so a chat model needs no ids outside the vocabulary.
 """
 
 import time
 
-from machinery import chat
+from machinery.data import chat
 from machinery.errors import UserError
-from machinery.tokenizer import EOT_TEXT, GPT2_PATTERN, BPETokenizer
+from machinery.data.tokenizer import EOT_TEXT, GPT2_PATTERN, BPETokenizer
 
 SPECIALS = (EOT_TEXT, *chat.SPECIAL_TOKENS)  # in id order, after the learned tokens
 MAX_VOCAB_SIZE = 1 << 16  # token files hold uint16 ids

@@ -1,11 +1,11 @@
 """
-The engine's model runner: the model run for the rows that the scheduler (machinery/engine.py) picks, and its logits
+The engine's model runner: the model run for the rows that the scheduler (machinery/generation/engine.py) picks, and its logits
 made each row's next token and events. A prompt's chunk or a plain decoding pass runs the model over the rows of the
 KV cache (decode.Rows); a fixed step runs every row of the cache in shapes that never change (decode.FixedStep: a
 CUDA graph), launched ahead, before the host reads the last step's tokens (Flight), where the batch is steady. A row
 draws with its own generator (draw), so it draws what it would alone; a pass that fails runs again row by row, and
 only the rows that fail alone end. On the CPU the weights move into huge pages once a run has used them enough.
-Not owned: which rows run, the queue, the prefix cache's policy (machinery/engine.py); the layers (packing.py).
+Not owned: which rows run, the queue, the prefix cache's policy (machinery/generation/engine.py); the layers (packing.py).
 """
 
 import collections
@@ -14,11 +14,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from machinery import decode, hugepages
-from machinery.decode_attention import check_ahead
+from machinery.generation import decode, hugepages
+from machinery.generation.decode_attention import check_ahead
 from machinery.errors import first_line
-from machinery.packing import RowsLinear
-from machinery.request import Token
+from machinery.generation.packing import RowsLinear
+from machinery.generation.request import Token
 from model import attention_backends, sample_next
 
 HUGE_PAGES_AFTER = 128  # passes of the model (each reads every weight) that pay for moving them into huge pages

@@ -9,7 +9,8 @@ import math
 
 import torch
 
-from machinery import conversations, distributed
+from machinery import distributed
+from machinery.data import conversations
 
 
 def eval_due(iter_num, local_iter, cfg):

@@ -3,8 +3,8 @@ The model made ready to decode (prepare): in eval mode, its weights in the run's
 its linear layers RowsLinear, prepacked for oneDNN where that is faster (PackedLinear), read by our own AMX kernel
 where the CPU has it (KernelLinear; a whole Block a call: KernelBlock). calibrate measures how many rows one decoding
 pass may hold with each row's result the one it gets alone, and whether a lone row must be padded.
-Not owned: the kernels (machinery/bf16_rows.py), int8 weights (machinery/quantize.py), calibrate's file
-(machinery/calibration_cache.py), the passes (machinery/model_runner.py).
+Not owned: the kernels (machinery/generation/bf16_rows.py), int8 weights (machinery/weights/quantize.py), calibrate's file
+(machinery/generation/calibration_cache.py), the passes (machinery/generation/model_runner.py).
 """
 
 import collections
@@ -15,9 +15,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from machinery import bf16_rows, hardware
-from machinery import quantize as quantization
-from machinery.calibration_cache import layer_key
+from machinery import hardware
+from machinery.generation import bf16_rows
+from machinery.weights import quantize as quantization
+from machinery.generation.calibration_cache import layer_key
 from model import Block
 
 
@@ -89,7 +90,7 @@ class PackedLinear(RowsLinear):
 
 class KernelLinear(PackedLinear):
     """A PackedLinear whose decoding passes (one position a row: x of shape (rows, 1, in)) run our own kernel over
-    the packed weight (machinery/bf16_rows.py: on a CPU with AMX, faster than oneDNN's at 1-32 rows), every
+    the packed weight (machinery/generation/bf16_rows.py: on a CPU with AMX, faster than oneDNN's at 1-32 rows), every
     row summed alone, so unpadded and whatever the number of rows; prompts' chunks run oneDNN's AMX kernel, as in
     a PackedLinear. bfloat16 only; a weight that the kernel cannot read (bf16_rows.Kernel) keeps oneDNN's product
     in every pass."""
@@ -222,7 +223,7 @@ def prepare(model, device, dtype, compile=False, quantize=None):
     bfloat16 decoding passes run our own kernel (KernelLinear), whatever their rows. compile: the engine will
     compile it (Engine(compile=True)), so nothing is prepacked: inductor packs weights itself (whether a row's
     result then depends on the others is up to its kernels). quantize="int8": int8 weights for the linear layers
-    that take them (machinery/quantize.py), before either."""
+    that take them (machinery/weights/quantize.py), before either."""
     on_cpu, model = torch.device(device).type == "cpu", model.eval()
     packs = on_cpu and can_pack(dtype)
     packed = KernelLinear if packs and uses_kernel(dtype) else PackedLinear

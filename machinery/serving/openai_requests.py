@@ -10,8 +10,8 @@ Not owned: the routes and the server's state (openai_api.py), the answers (opena
 
 import json
 
-from machinery.request import Request
-from machinery.tokenizer import end_of_text_stop
+from machinery.generation.request import Request
+from machinery.data.tokenizer import end_of_text_stop
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # OpenAI's -> ours
 MAX_STOP_TEXTS = 4

@@ -30,10 +30,11 @@ from dataclasses import asdict, fields
 import numpy as np
 import torch
 
-from machinery import lora, meta
+from machinery.data import meta
+from machinery.weights import lora
 from machinery.errors import UserError, first_line
 from machinery.fileio import atomic_write
-from machinery.gpt2_weights import from_gpt2_layout
+from machinery.weights.gpt2_weights import from_gpt2_layout
 from model import GPT, GPTConfig
 
 LATEST = "ckpt.pt"

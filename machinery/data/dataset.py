@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from machinery import meta, shards
+from machinery.data import meta, shards
 from machinery.errors import UserError
 
 DATA_DIR = "data"  # where prepare.py writes datasets unless told otherwise (nanoGPT's data/)

@@ -8,12 +8,12 @@ its kernels from Python (hundreds a micro-step, the optimizer's too), not by the
   then Trainer.update, captured at the first step after a warm-up (lazy state, compilation, cuBLAS's workspaces);
 - snapshot/restore, which put back what the warm-up and capture changed (the weights, the optimizer's state, the
   non-finite mark, every RNG, the batch sampler): a graphed run computes exactly the steps an eager run computes.
-A capture that fails says so in one line and training goes on eagerly, as machinery/decode.py's FixedStep does.
+A capture that fails says so in one line and training goes on eagerly, as machinery/generation/decode.py's FixedStep does.
 """
 
 import torch
 
-from machinery import checkpoint
+from machinery.weights import checkpoint
 from machinery.errors import UserError, first_line
 from machinery.hardware import pick_device
 from optimizers import DeviceNumbers

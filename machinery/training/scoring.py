@@ -27,8 +27,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from machinery import dataset, distributed
-from machinery.dataset import whole_split_batches
+from machinery import distributed
+from machinery.data import dataset
+from machinery.data.dataset import whole_split_batches
 from machinery.errors import UserError, first_line
 from machinery.fileio import atomic_write, read_text
 

@@ -2,16 +2,16 @@
 The chat formats: how a conversation ({"role": "system" | "user" | "assistant", "content": text} messages, as OpenAI's
 API, TRL and the hub's datasets write them) becomes token ids, and which of them a model learns to write. A chat
 model's format (TEMPLATE, GPT-2 BPE): <|endoftext|>, then each message's content between its role's two special
-tokens (spare ids of GPT-2's padded vocabulary, or the top of a BPE learned here: machinery/bpe.py), the content
+tokens (spare ids of GPT-2's padded vocabulary, or the top of a BPE learned here: machinery/data/bpe.py), the content
 encoded as ordinary text (a user cannot write the assistant's turn); the loss mask is 1 on the assistant's content
 and its <|assistant_end|>, where a reply ends. A base model's (BASE_TEMPLATE, for serve.py's chat): the messages as a
 plain dialogue, the reply ending where the next "User:" line would begin. The one place that writes either: prepare.py,
 train.py, sample.py, serve.py and export.py (jinja_template, for Hugging Face's apply_chat_template) ask it.
-Not owned: a reply's prompt within the context and its stop tokens (machinery/talk.py).
+Not owned: a reply's prompt within the context and its stop tokens (machinery/generation/talk.py).
 """
 
 from machinery.errors import UserError
-from machinery.tokenizer import GPT2_VOCAB_SIZE, GPT2Tokenizer
+from machinery.data.tokenizer import GPT2_VOCAB_SIZE, GPT2Tokenizer
 
 TEMPLATE = "gpt2-chat-1"  # the format's name, recorded in a chat dataset's metadata and its models' checkpoints
 ROLES = ("system", "user", "assistant")

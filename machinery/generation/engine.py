@@ -1,13 +1,13 @@
 """
 The generation engine's scheduler: every decoding of sample.py and serve.py goes through it. submit() queues a Request
-(machinery/request.py); a step admits waiting requests to free rows of the KV cache (slots), decodes a token for every
+(machinery/generation/request.py); a step admits waiting requests to free rows of the KV cache (slots), decodes a token for every
 running row, then encodes a chunk of a waiting prompt (chunked prefill: a long prompt delays the running rows by one
 chunk a step, not by its whole length). A row's tokens do not depend on what else runs: each is computed as if alone.
-With a prefix cache (machinery/prefix_cache.py) a prompt takes the whole chunks that it holds instead of encoding them,
+With a prefix cache (machinery/generation/prefix_cache.py) a prompt takes the whole chunks that it holds instead of encoding them,
 the engine encodes finished conversations into it when idle, and a paused row (its reader does not read), or one that
 has run QUANTUM tokens while requests wait, gives its slot up, its row kept there, and resumes where it was. A request
 that fails ends alone ("error"); a fault outside any request stops the engine (alive False: /health answers 503).
-Not owned: running the model (machinery/model_runner.py), the model's CPU layers (machinery/packing.py).
+Not owned: running the model (machinery/generation/model_runner.py), the model's CPU layers (machinery/generation/packing.py).
 """
 
 import collections
@@ -17,12 +17,12 @@ import time
 
 import torch
 
-from machinery import decode
-from machinery.decode_attention import check as check_attention
-from machinery.model_runner import ModelRunner, describe
-from machinery.packing import calibrate
-from machinery.prefix_cache import PrefixCache
-from machinery.request import Generation, QueueFull, Stopped, StreamText
+from machinery.generation import decode
+from machinery.generation.decode_attention import check as check_attention
+from machinery.generation.model_runner import ModelRunner, describe
+from machinery.generation.packing import calibrate
+from machinery.generation.prefix_cache import PrefixCache
+from machinery.generation.request import Generation, QueueFull, Stopped, StreamText
 from model import attention_backends
 
 QUANTUM = 16  # tokens a row samples, at least, each time it (re)joins the batch before a waiting request may take its
@@ -37,8 +37,8 @@ class Engine:
     prefill_chunk: prompt tokens encoded in one pass, at most; stall_timeout: seconds a paused generation (see
     Generation) may wait for its reader; use_cache=False encodes each row's whole window again for every token, as
     nanoGPT does (the same tokens, slower); fixed: decode every row of the cache at every step, in shapes that never
-    change (machinery/decode.py; None: on CUDA, where it runs as a CUDA graph); decode_attention: how the fixed
-    step's rows attend (full or flex: machinery/decode_attention.py); ahead: launch each fixed step before the host
+    change (machinery/generation/decode.py; None: on CUDA, where it runs as a CUDA graph); decode_attention: how the fixed
+    step's rows attend (full or flex: machinery/generation/decode_attention.py); ahead: launch each fixed step before the host
     reads the tokens of the one before (None: wherever fixed; ModelRunner.land); compile: torch.compile the fixed
     step (one graph), else the model in place (dynamic shapes); prefix_cache_mb: the prefix cache's budget (0: none),
     which also keeps the rows that give their slots up; calibration: a CalibrationCache that calibrate's measurements

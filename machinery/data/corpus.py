@@ -48,11 +48,11 @@ from itertools import islice
 import numpy as np
 from tqdm import tqdm
 
-from machinery import bpe, dataset, meta, shards
-from machinery.documents import HubSource, LocalSource
+from machinery.data import bpe, dataset, meta, shards
+from machinery.data.documents import HubSource, LocalSource
 from machinery.errors import UserError
 from machinery.fileio import atomic_write, remove_stale_temps
-from machinery.tokenizer import GPT2_EOT
+from machinery.data.tokenizer import GPT2_EOT
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 VAL_PERCENT = 10  # validation's share of a corpus under two shards (prepare.py's --val_fraction for a text file)

@@ -18,10 +18,10 @@ import pickle
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
-from machinery import chat
+from machinery.data import chat
 from machinery.errors import UserError
 from machinery.fileio import atomic_write, read_json_object
-from machinery.tokenizer import GPT2_VOCAB_SIZE, BPETokenizer, CharTokenizer, GPT2Tokenizer, format_ranks, parse_ranks
+from machinery.data.tokenizer import GPT2_VOCAB_SIZE, BPETokenizer, CharTokenizer, GPT2Tokenizer, format_ranks, parse_ranks
 
 FILENAME = "meta.json"
 BPE_FILENAME = "tokenizer.tiktoken"  # a learned BPE's ranks, beside meta.json
@@ -45,7 +45,7 @@ class DatasetMeta:
     # the token files (*.bin) beside meta.json when it was written, name -> [bytes, mtime_ns]: max_token_id
     # speaks for them only while they are still those files (describes)
     files: Optional[dict] = None
-    chat: Optional[str] = None  # the chat format of conversations (machinery/chat.py's TEMPLATE); None: plain text
+    chat: Optional[str] = None  # the chat format of conversations (machinery/data/chat.py's TEMPLATE); None: plain text
     # a learned BPE (tokenizer "bpe"): its ranks in tiktoken's format (text), held in a checkpoint's copy and
     # in memory, but in meta.json's directory as the file tokenizer_file (its sha256 beside it); its special tokens
     ranks: Optional[str] = None
