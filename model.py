@@ -245,7 +245,12 @@ class GPT(nn.Module):
         override_args = dict(override_args or {})
         if set(override_args) - {"dropout"}:
             raise ValueError(f"override_args may only set dropout, got {sorted(override_args)}")
-        config, state = gpt2_weights.load(name_or_path, GPTConfig, override_args.get("dropout", 0.0))
+        path, fields, state = gpt2_weights.load(name_or_path)
+        config = GPTConfig(**fields, dropout=override_args.get("dropout", 0.0))
+        try:
+            config.validate()
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}{gpt2_weights.UNSUPPORTED}") from None
         if not initialise:
             return cls.with_weights(config, state)
         model = cls(config)

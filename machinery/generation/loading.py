@@ -128,7 +128,7 @@ def load(source, device="cpu", dtype="float32"):
                                                 else None)
             print(f"note: the checkpoint records no tokenizer; using {found} (--meta picks another)", file=sys.stderr)
     else:
-        model, data_meta = convert.load_hf(source.init_from, initialise=False), convert.pretrained_meta(source.init_from)
+        model, data_meta = convert.load_pretrained(source.init_from)
     if source.meta is not None:
         data_meta = meta.from_path(source.meta)
     tokenizer = data_meta.make_tokenizer()

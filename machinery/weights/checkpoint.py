@@ -70,8 +70,13 @@ class Checkpoint:
         """A GPT with the checkpoint's weights, on the CPU (a LoRA run's: its base with the adapters merged in),
         built without drawing initial weights first (GPT.with_weights)."""
         if self.lora_record:
-            return lora.merged_model(self.lora_record, self.model_config, self.adapters, self.path)
-        return fitting(GPT.with_weights, self.model_config, self._state["model"])
+            adapters = self.adapters
+            return lora.merged_model(self.lora_record, self.model_config, adapters, self.path)
+        config = self.model_config
+        try:
+            return GPT.with_weights(config, self._state["model"])  # (straight from the config's check: one visit)
+        except ValueError as e:
+            raise UserError(f"the checkpoint's {e}") from None
 
     def load_weights(self, model):
         """Put the checkpoint's weights into model (a LoRA run's: its base's, and the adapters, unmerged)."""
@@ -143,7 +148,7 @@ class Checkpoint:
 
 
 def fitting(load, *args):
-    """load(*args) (GPT.with_weights, or a model's load_weights), a one-line error when the weights do not fit."""
+    """load(*args) (a model's load_weights), a one-line error when the weights do not fit."""
     try:
         return load(*args)
     except ValueError as e:

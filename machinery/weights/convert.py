@@ -21,7 +21,7 @@ import torch
 from machinery.data import chat, meta
 from machinery.errors import UserError
 from machinery.fileio import atomic_write
-from machinery.weights.gpt2_weights import find_gpt2, gpt2_weight
+from machinery.weights.gpt2_weights import GPT2_SIZES, find_gpt2, gpt2_weight
 from machinery.data.tokenizer import GPT2_EOT, GPT2Tokenizer, gpt2_bpe_files
 from model import GPT, GPTConfig
 
@@ -58,9 +58,19 @@ def load_hf(name_or_path, dropout=0.0, initialise=True):
         raise UserError(str(e)) from None
 
 
-def pretrained_meta(name_or_path):
-    """The tokenizer of a Hugging Face checkpoint: the meta.json export.py writes next to it, else GPT-2 BPE."""
-    return meta.for_dataset(find_pretrained(name_or_path))
+def pretrained_meta(name_or_path, found=False):
+    """The tokenizer of a Hugging Face checkpoint: a GPT-2 size's is GPT-2 BPE; a directory's, the meta.json export.py
+    writes there, else GPT-2 BPE. found: the directory is known to hold one (else checked, with one-line errors)."""
+    if name_or_path in GPT2_SIZES:
+        return meta.DatasetMeta.gpt2()
+    return meta.for_dataset(name_or_path if found else find_pretrained(name_or_path))
+
+
+def load_pretrained(name_or_path):
+    """A Hugging Face checkpoint for inference (sample.py, serve.py, eval.py, export.py): load_hf's model, built
+    without drawing initial weights, and its tokenizer (pretrained_meta)."""
+    model = load_hf(name_or_path, initialise=False)
+    return model, pretrained_meta(name_or_path, found=True)
 
 
 def load_for_finetune(name_or_path, data_meta, dataset, block_size, dropout):

@@ -19,16 +19,18 @@ GPT2_NAMES = {  # GPT-2's module -> ours; N: a block's number
     "transformer.h.N.ln_1": "blocks.N.ln1", "transformer.h.N.attn.c_attn": "blocks.N.attn.qkv",
     "transformer.h.N.attn.c_proj": "blocks.N.attn.proj", "transformer.h.N.ln_2": "blocks.N.ln2",
     "transformer.h.N.mlp.c_fc": "blocks.N.ffwd.fc", "transformer.h.N.mlp.c_proj": "blocks.N.ffwd.proj"}
+UNSUPPORTED = ", which this GPT cannot compute; only GPT-2's architecture loads"  # (the end of a config's refusal)
 GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_python_tanh": "tanh", "gelu_fast": "tanh",
              "gelu": "none", "gelu_python": "none"}  # Hugging Face's activation names -> GPTConfig.gelu
 
 
-def load(name_or_path, config_class, dropout=0.0):
-    """(config, state) of a GPT-2 size or Hugging Face GPT-2 directory: its config as config_class (model.GPTConfig)
-    and its weights in our layout."""
+def load(name_or_path):
+    """(config_path, fields, state) of a GPT-2 size or Hugging Face GPT-2 directory: its config.json's path, the
+    GPTConfig fields it sets (model.py builds and validates the config: this module never imports it) and its
+    weights in our layout."""
     directory = find_gpt2(name_or_path)
-    config = gpt2_config(directory, config_class, dropout)
-    return config, from_gpt2_layout(read_gpt2_weights(directory), conv1d=True, source=directory)
+    path, fields = gpt2_config(directory)
+    return path, fields, from_gpt2_layout(read_gpt2_weights(directory), conv1d=True, source=directory)
 
 
 def gpt2_weight(key, tensor, to_gpt2=False, conv1d=True):
@@ -66,9 +68,9 @@ def from_gpt2_layout(state, conv1d, source):
     return out
 
 
-def gpt2_config(directory, config_class, dropout=0.0):
-    """The config (config_class: model.GPTConfig) of a Hugging Face GPT-2 directory's config.json, checked by its
-    validate(); ValueError for what this GPT cannot compute."""
+def gpt2_config(directory):
+    """(path, GPTConfig's fields) of a Hugging Face GPT-2 directory's config.json; ValueError for what this GPT
+    cannot compute (UNSUPPORTED: the rest GPTConfig.validate checks)."""
     path = os.path.join(directory, "config.json")
     try:
         with open(path, encoding="utf-8") as f:
@@ -88,16 +90,11 @@ def gpt2_config(directory, config_class, dropout=0.0):
         (hf.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx is true (scaled by the layer)"),
         (hf.get("add_cross_attention"), "add_cross_attention is true (an encoder-decoder model)"),
     ] if wrong), None)
-    config = config_class(block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
-                          n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd, dropout=dropout,
-                          bias=True, gelu=GPT2_GELU.get(act), mlp_ratio=n_inner // n_embd)
-    try:
-        config.validate()
-    except ValueError as e:
-        why = why or str(e)
     if why:
-        raise ValueError(f"{path}: {why}, which this GPT cannot compute; only GPT-2's architecture loads")
-    return config
+        raise ValueError(f"{path}: {why}{UNSUPPORTED}")
+    return path, dict(block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
+                      n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd, bias=True,
+                      gelu=GPT2_GELU.get(act), mlp_ratio=n_inner // n_embd)
 
 
 def find_gpt2(name_or_path):
