@@ -3,15 +3,12 @@ Typed configuration from config files and command-line overrides, nanoGPT style:
 
     python train.py config/train_shakespeare_char.py --batch_size=32 --compile=False
 
-Each script describes its settings as a dataclass whose fields carry a help text
-(`name: type = setting(default, "help")`). Config files hold plain
-`key = value` lines; the values are Python literals read with ast.literal_eval,
-so a config file is parsed, never executed. Later sources override earlier ones:
-dataclass defaults, then config files in order, then --key=value arguments (--key alone: True, for
-a True/False setting); given() tells which settings were set by a file or an argument.
-
-Any mistake raises UserError with one line naming the key (errors.py turns it into
-`error: ...` on stderr and exit status 2).
+Each script describes its settings as a dataclass whose fields carry a help text (`name: type = setting(default,
+"help")`). Config files hold plain `key = value` lines of Python literals, read with ast.literal_eval: parsed,
+never executed. Later sources override earlier ones: dataclass defaults, then config files in order, then
+--key=value arguments (--key alone: True, for a True/False setting); given() tells which a file or an argument set.
+Any mistake raises UserError with one line naming the key (errors.py: `error: ...` on stderr, exit status 2).
+Not here: each script's settings (its own dataclass) and the checks between them (the scripts').
 """
 
 import ast

@@ -4,30 +4,11 @@ Device and precision: which device to run on, which dtype, and the autocast cont
     device: auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
     dtype:  auto | float32 | bfloat16 | float16
 
-dtype=auto picks bfloat16 on CUDA GPUs that support it (else float16, trained with a
-GradScaler), and on the CPU bfloat16 only where the CPU computes it natively (AVX-512
-BF16 or AMX): elsewhere a CPU emulates bfloat16 matrix products about 50x slower than
-float32, so auto picks float32 there. (oneDNN's own test, _is_mkldnn_bf16_supported, is
-also true on AVX-512 CPUs without BF16, Skylake-X or Cascade Lake, which only convert.)
-Asking for a half-precision dtype that the CPU only emulates still runs, with a one-line
-warning.
-
-The CPU kinds this knows (cpu_kind), and what is chosen on each (measured: BENCHMARKS.md):
-
-    AMX            bfloat16; oneDNN's AMX kernels for prompts, at every number of rows (ONEDNN_VERBOSE=1
-                   names brg_matmul:avx10_1_512_amx), which block, and so round, otherwise beyond some
-                   number of rows (packing.calibrate); decoding passes' products our own AMX kernel's,
-                   over oneDNN's packing, each row alone (machinery/generation/bf16_rows.py); a decoding row's
-                   attention our own kernel's too, over a bfloat16 KV cache; and with both, a decoding
-                   pass's whole Block one call of ours (LayerNorms, GELU too)
-    AVX-512 BF16   bfloat16; oneDNN's AVX-512 BF16 kernels
-    AVX-512        float32 (bfloat16 only converted there, not computed)
-    AVX2           float32 (bfloat16 emulated, ~50x slower; --dtype=float16 for one fast stream)
-
-On every kind the generation engine measures at start which rows its products compute alike
-(packing.calibrate; once a machine, kept by machinery/generation/calibration_cache.py). llama.cpp, which the
-tests and benchmarks run, is built for the kind at hand without its AMX kernels
-(.ci/install-llama-cpp).
+dtype=auto picks bfloat16 on CUDA GPUs that support it (else float16, trained with a GradScaler), and on the CPU
+bfloat16 only where the CPU computes it natively (cpu_native: AVX-512 BF16 or AMX), float32 elsewhere; a
+half-precision dtype that the CPU only emulates still runs, with a one-line warning. cpu_kind names the CPU's
+kind, and CPU_KINDS what is chosen on each (measured: BENCHMARKS.md).
+Not here: the kernels themselves (generation/: packing.py, bf16_rows.py) and how many threads (the commands).
 """
 
 import os
@@ -79,16 +60,24 @@ def _mps_available():
 def cpu_native(dtype):
     """Does this CPU compute dtype (bfloat16 or float16) natively: instructions that multiply it (AVX-512 BF16,
     AVX-512 FP16, AMX), not only convert it, and oneDNN allowed to use them (ONEDNN_MAX_CPU_ISA=AVX2 makes an
-    AVX-512 machine behave as an AVX2 one)?"""
+    AVX-512 machine behave as an AVX2 one)? Elsewhere a CPU emulates bfloat16 products, many times slower than
+    float32 (BENCHMARKS.md), so dtype=auto picks float32 there."""
     if dtype == "bfloat16":
         return (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()) \
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()  # (alone, true where AVX-512 only converts)
     if dtype == "float16":
         return torch.ops.mkldnn._is_mkldnn_fp16_supported()  # AVX-512 FP16 or AMX-FP16, as oneDNN reports
     return True
 
 
-CPU_KINDS = {  # what dtype=auto and the engine choose on each kind of CPU (the module's docstring says why)
+# What dtype=auto and the engine choose on each kind of CPU. On AMX: oneDNN's AMX kernels for prompts, at every
+# number of rows (they block, and so round, otherwise beyond some number of rows: packing.calibrate); decoding's
+# products, a row's attention over a bfloat16 KV cache and a decoding pass's whole Block our own kernels
+# (generation/bf16_rows.py). On every kind the engine measures at start which rows its products compute alike
+# (packing.calibrate, kept by generation/calibration_cache.py). llama.cpp, which the tests and benchmarks run, is
+# built for the kind at hand without its AMX kernels (.ci/install-llama-cpp). On AVX2, --dtype=float16 is the
+# choice for one fast stream (docs/benchmarks-history.md, issue 22).
+CPU_KINDS = {
     "AMX": "bfloat16: oneDNN's AMX kernels for prompts; decoding our own kernels, attention ours, a Block one call "
            "(where gcc builds them)",
     "AVX-512 BF16": "bfloat16: AVX-512 BF16",

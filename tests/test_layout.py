@@ -2,8 +2,9 @@
 commands share: the shared basics, then its wings, each flat, importing only the basics and the wings WINGS allows) or
 benchmarks/ (what bench.py alone uses, flat); every module of ours imports the others as a tree (no cycle, lazy
 imports included), the machinery never a benchmark; model.py imports nothing of ours (but GPT-2's files' reader, in
-GPT.from_pretrained); the files stay readable in size (SIZES) and no function is longer than 60 lines; README's file
-tree names every file of both packages, a line each."""
+GPT.from_pretrained); the files stay readable in size (SIZES) and no function is longer than 60 lines; a machinery
+module's docstring says what it owns in at most DOCSTRING_LINES lines; README's file tree names every file of both
+packages, a line each."""
 
 import ast
 import subprocess
@@ -26,6 +27,8 @@ MODULES = {p.stem: p for p in ROOT.glob("*.py")} | {
     if p.stem != "__init__"}
 # the most lines a file may hold: the model and the loop as a learner reads them beside nanoGPT's (~330 lines each)
 SIZES = {"model": 400, "train": 450, MACHINERY: 600}
+# a machinery module's docstring: what it owns and what it does not (figures and history live in BENCHMARKS.md)
+DOCSTRING_LINES = 12
 COMMANDS = {name for name in MODULES if "." not in name} - {"model", "optimizers"}
 
 
@@ -194,6 +197,14 @@ def test_no_function_is_longer_than_60_lines(name):
     long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
     assert not long, f"{name}: {long}"
+
+
+@pytest.mark.parametrize("name", package_modules(MACHINERY))
+def test_each_machinery_module_says_what_it_owns_in_at_most_12_lines(name):
+    docstring = ast.get_docstring(ast.parse(MODULES[name].read_text(encoding="utf-8")))
+    assert docstring, f"{name} has no docstring"
+    lines = len(docstring.strip().splitlines())
+    assert lines <= DOCSTRING_LINES, f"{name}: a docstring of {lines} lines (at most {DOCSTRING_LINES})"
 
 
 def tree_paths(text):

@@ -3,26 +3,14 @@ Chat datasets: conversations read from JSON lines or parquet, prepared into toke
 
     python prepare.py chat --input FILE|DIR [--name NAME] [--max_len 1024]
 
---input is a .jsonl[.gz] file of one {"messages": [{"role": ..., "content": ...}, ...]} object a line (OpenAI's,
-TRL's and most hub datasets' format), a .parquet file with a `messages` column, or a directory of them. Each
-conversation becomes its token ids and loss mask in the chat format (chat.encode: the one owner of the format);
-on disk, per split (train, val):
-
     DATA_DIR/NAME/{split}.bin       the ids of its conversations, one after another (uint16, nanoGPT's token file)
                   {split}.mask      beside each id, 1 where the model learns it (the assistant's tokens), else 0 (uint8)
                   {split}.offsets   where each conversation begins, and the end (int64, one more than conversations)
                   meta.json         GPT-2 BPE with the format's special tokens, chat: the format's name (meta.py)
 
-A conversation longer than --max_len tokens is cut after its last assistant turn that fits, or dropped when not
-even its first one does; one without an assistant turn (nothing to learn) is dropped; the counts are printed.
-Every conversation is read and checked before anything is written: a malformed one stops with one line naming
-its file and line (or parquet row). The validation split takes --val_fraction of the conversations, spread
-evenly through the input.
-
-Training (train.py asks load(), batch_sampler(), split_batches() and token_mean()): a row of a batch holds one
-conversation, padded, so no conversation attends to another; x is the conversation without its last token, y
-without its first, and y is -1 (no loss) on the padding and, with --chat_loss=assistant (the default), where the
-mask is 0. A step's loss is the mean over all its target tokens, every micro-batch and rank together (TokenMean).
+Owns reading and checking the input (README's chat section: its format, the cuts and drops) and, for train.py,
+the batches (a row one conversation, padded) and the step's mean loss (TokenMean). Not here: the chat format
+itself (chat.py, its one owner) and the token stream of plain datasets (dataset.py).
 """
 
 import os
@@ -264,7 +252,9 @@ class ChatBatchSampler(dataset.BatchSampler):
 
 
 def batch_sampler(data, batch_size, block_size, generator, device="cpu"):
-    """Random batches of a split: whole conversations of a chat split, else windows (dataset.BatchSampler)."""
+    """Random batches of a split: whole conversations of a chat split, else windows (dataset.BatchSampler). A
+    row holds one conversation, padded, so no conversation attends to another; y is -1 (no loss) on the padding
+    and, with --chat_loss=assistant (the default), where the mask is 0."""
     sampler = ChatBatchSampler if isinstance(data, ChatSplit) else dataset.BatchSampler
     return sampler(data, batch_size, block_size, generator, device)
 

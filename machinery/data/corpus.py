@@ -1,39 +1,15 @@
 """
-Large-corpus preparation: documents in (documents.py), GPT-2 token shards out (prepare.py's
-openwebtext, fineweb_edu and `text --input DIR` modes), or shards of a BPE learned on the
-corpus (`text --input DIR --tokenizer bpe`, below).
+Large-corpus preparation: documents in (documents.py), token shards out (prepare.py's openwebtext, fineweb_edu
+and `text --input DIR` modes), GPT-2's or a BPE learned on the corpus (`--tokenizer bpe`).
 
-    documents (local parquet / JSON lines / .txt files, or the Hugging Face hub), in order
-      -> [eot] + encode_ordinary(doc) on every core (a process pool, results kept in order)
+    documents, in order -> [eot] + encode_ordinary(doc) on every core (a process pool, results kept in order)
       -> shards of shard_tokens tokens: <name>_val_000000.bin (the first documents),
          then <name>_train_000001.bin, _000002.bin, ... (llm.c's format, see shards.py)
 
-This is llm.c's / build-nanogpt's fineweb.py layout: the stream of documents is cut
-at fixed token counts, so a document may continue in the next shard.
-
-A corpus of fewer than two shards would give validation a whole shard and train less
-than that (or nothing): there validation gets the first VAL_PERCENT % of the stream
-instead (at least MIN_SPLIT_TOKENS, one GPT-2 window), and train the rest, cut into
-shards of shard_tokens as before. Under one shard nothing is on disk before the end
-(the buffer holds it all); between one and two, the validation shard already written
-is cut again at the end, its tail read back into the first train shard.
-
-Memory does not grow with the corpus: documents are read in batches, at most
-2 * num_proc chunks are in flight, and one shard buffer is filled at a time.
-
-A learned BPE (vocab_size given) is learned on the training documents alone, so validation
-cannot be cut at a token count, which the tokenizer decides: it gets the first documents
-holding VAL_PERCENT % of the characters (at most shard_tokens characters, but at least one
-document), all of them and nothing else in the first shard; the tokenizer is learned on the
-documents after them (their first tokenizer_chars characters, where given), streamed, before
-anything is written; train's shards follow as above.
-
-An interrupted run picks up where it stopped: after each finished shard, a small
-progress file beside the shards records where in the document stream the shard
-ended (documents done + tokens of the next one already written). A re-run checks
-the finished shards' headers, skips those documents and continues, writing exactly
-the bytes an uninterrupted run would (a learned BPE is learned again, and must come out the
-same: rustbpe's learning is deterministic).
+Owns the cutting (llm.c's fineweb.py layout: a document may continue in the next shard; small corpora and learned
+BPEs split otherwise: small_corpus_val_tokens, held_out_documents), flat memory, and resuming an interrupted run
+byte for byte (load_progress). README's corpus section says how to run it. Not here: reading documents
+(documents.py), the shard format (shards.py), learning a BPE (bpe.py).
 """
 
 import hashlib
@@ -157,7 +133,10 @@ def _write_json(path, obj):
 
 def load_progress(out_dir, name, description, shard_tokens, tokenizer):
     """The progress of an earlier run into out_dir (a fresh one if none), its finished shards checked.
-    tokenizer: what the run's tokenizer is (progress_tokenizer), checked against the earlier run's."""
+    tokenizer: what the run's tokenizer is (progress_tokenizer), checked against the earlier run's.
+    The progress file records, after each finished shard, where in the document stream it ended (documents done +
+    tokens of the next one already written); a re-run skips those documents and writes exactly the bytes an
+    uninterrupted run would (a learned BPE is learned again: rustbpe's learning is deterministic)."""
     fresh = {"name": name, "source": description, **tokenizer, "shard_tokens": shard_tokens,
              "shards": [], "complete": False}
     path = os.path.join(out_dir, PROGRESS_FILE)
@@ -208,7 +187,10 @@ def dataset_meta(state, tokenizer_meta):
 def small_corpus_val_tokens(total, description):
     """The validation tokens of a corpus of `total` tokens that fills fewer than two shards.
 
-    Its first VAL_PERCENT %, but at least MIN_SPLIT_TOKENS, and train must keep as many (else a UserError)."""
+    Its first VAL_PERCENT %, but at least MIN_SPLIT_TOKENS, and train must keep as many (else a UserError);
+    train gets the rest, in shards of shard_tokens (a whole shard for validation would leave train less). Under one
+    shard nothing is on disk before the end; between one and two, the validation shard already written is cut
+    again at the end (ShardWriter.recut), its tail read back into the first train shard."""
     val = max(total * VAL_PERCENT // 100, MIN_SPLIT_TOKENS)
     if total - val < MIN_SPLIT_TOKENS:
         lower = (f", or pass --shard_tokens {total // 2} or less to make the first shard of that size the "
@@ -353,7 +335,9 @@ class ShardWriter:
 def held_out_documents(source, shard_tokens):
     """How many of the first documents are validation's where the tokenizer is learned on the others: those
     within VAL_PERCENT % of the corpus's characters and shard_tokens characters, but at least one. The corpus is
-    read only until that share is known; a one-line error unless a document is left for train."""
+    read only until that share is known; a one-line error unless a document is left for train. (A learned
+    BPE decides the token counts, so validation cannot be cut at one: it is these whole documents, alone in the
+    first shard.)"""
     total = 0
     for doc in source.documents():
         total += len(doc)

@@ -6,16 +6,9 @@ batches drawn from them.
                      NAME_{train,val}_NNNNNN.bin (shards.py); meta.json (meta.py: the tokenizer, the
                      largest id, the files it describes), or nanoGPT's meta.pkl, or nothing (GPT-2 BPE)
 
-`--dataset` is a name under `--data_dir` or a directory path (resolve). load() memory-maps each split
-(one .bin file, or a split's shards seen as one array), checks that each holds a training window,
-and the Dataset checks the token ids against a model's vocabulary before training starts.
-
-Training draws batches of random windows (BatchSampler): B windows of block_size + 1 tokens, gathered
-with one fancy-indexing call; x is a window without its last token, y without its first. The sampler
-draws with its own random generator (not torch's global one), so every data-parallel rank draws
-different batches, and its state goes into checkpoints: a resumed run draws exactly the batches the
-uninterrupted run would have (train.py starts it where nanoGPT's get_batch would). Evaluation can
-instead walk a whole split once, in order (whole_split_batches).
+`--dataset` is a name under `--data_dir` or a directory path (resolve). load() memory-maps each split and checks
+it; training draws random windows (BatchSampler, exact on resume), evaluation walks a split (whole_split_batches).
+Not here: preparing datasets (prepare.py, corpus.py, conversations.py), chat datasets' batches (conversations.py).
 """
 
 import os
@@ -66,7 +59,9 @@ class Dataset:
 
 
 def load(directory, block_size):
-    """The dataset in directory, its splits memory-mapped; one-line errors for a missing or too short one."""
+    """The dataset in directory, its splits memory-mapped (one .bin file, or a split's shards seen as one array);
+    one-line errors for a missing or too short one (each must hold a training window). The Dataset checks the
+    token ids against a model's vocabulary before training starts."""
     if not os.path.isdir(directory):
         raise UserError(f"dataset directory {directory} does not exist; create it with prepare.py "
                         f"(e.g. python prepare.py shakespeare_char)")
@@ -98,7 +93,11 @@ def load_split(directory, split, block_size):
 
 class BatchSampler:
     """Random (x, y) batches of one split, drawn with the given generator; several samplers can share one,
-    as nanoGPT draws train and eval batches from one stream."""
+    as nanoGPT draws train and eval batches from one stream. B windows of block_size + 1 tokens, gathered with one
+    fancy-indexing call; x is a window without its last token, y without its first. The generator is the
+    sampler's own (not torch's global one), so every data-parallel rank draws different batches, and its state
+    goes into checkpoints: a resumed run draws exactly the batches the uninterrupted run would have
+    (train.py starts it where nanoGPT's get_batch would)."""
 
     def __init__(self, data, batch_size, block_size, generator, device="cpu"):
         self.data = data

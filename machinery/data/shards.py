@@ -1,21 +1,13 @@
 """
 Token shards in llm.c's format, and random training windows across all shards of a split.
 
-A shard is a header of 256 little-endian int32 (magic 20240520, version 1, the
-number of tokens, then zeros) followed by the tokens as uint16: the files
-llm.c's dev/data scripts and modded-nanogpt's FineWeb downloads use, so shards
-made there train here and the other way round.
+A shard is a header of 256 little-endian int32 (magic 20240520, version 1, the number of tokens, then zeros)
+followed by the tokens as uint16: the files llm.c's dev/data scripts and modded-nanogpt's FineWeb downloads use,
+so shards made there train here and the other way round. A dataset directory holds <name>_val_NNNNNN.bin and
+<name>_train_NNNNNN.bin (llm.c's `fineweb_train_000001.bin` is the same pattern).
 
-A dataset directory holds <name>_val_NNNNNN.bin and <name>_train_NNNNNN.bin
-(llm.c's `fineweb_train_000001.bin` is the same pattern). The shards of a split,
-in number order, are one token stream cut into pieces: corpus.py cuts it at a
-fixed token count, even inside a document. ShardedTokens therefore behaves like
-the single array of that stream (as if the shards were concatenated into one
-train.bin), and a training window may run across a shard boundary exactly as it
-may run across a document boundary inside a shard. That keeps windows uniform by
-token over the whole split and lets dataset.BatchSampler use it unchanged: the same
-generator state draws the same windows as a concatenated file would, so exact
-resume keeps working.
+Owns the format (writing, reading and checking a shard) and ShardedTokens, a split's shards seen as one array.
+Not here: cutting a corpus into shards (corpus.py), drawing batches (dataset.BatchSampler).
 """
 
 import os
@@ -123,6 +115,11 @@ def check_max_token(path_or_array, vocab_size, chunk=CHECK_CHUNK, name=None):
 
 class ShardedTokens:
     """Several shards seen as the one token array of their concatenation, in the order given.
+
+    The shards of a split are one token stream cut at a fixed token count (corpus.py), even inside a document, so
+    a training window may run across a shard boundary as it may across a document boundary: windows stay uniform
+    by token over the whole split, and dataset.BatchSampler's generator state draws the same windows as a
+    concatenated train.bin would (exact resume keeps working).
 
     Supports len(), an int, a slice with step 1, and an integer numpy array of any shape (the gather
     data[starts[:, None] + arange(block + 1)] of dataset._windows); the result is uint16 like a memmap's.

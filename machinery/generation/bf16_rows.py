@@ -1,19 +1,14 @@
-"""Decoding's matrix products on a CPU with AMX, by a small kernel of our own (bf16_rows.c): rows of bfloat16
+"""
+Decoding's matrix products on a CPU with AMX, by a small kernel of our own (bf16_rows.c): rows of bfloat16
 inputs times a weight that oneDNN has packed, read in place by AMX's tiles; and, with it, one row's attention
-(attend) and a decoding pass's whole Block (BlockKernel).
+(attend) and a decoding pass's whole Block (BlockKernel). Why: decoding reads every weight once a token, so its
+speed is the memory's, which oneDNN's AMX kernel does not reach at a few rows (BENCHMARKS.md, machine C).
 
-Why: decoding reads every weight once a token, so its speed is the memory's. oneDNN's AMX kernel does not
-reach it: GPT-2 124M's 49 products take it 27-31 ms at 1-4 rows on BENCHMARKS.md's machine C, 38 at 16 and 60
-at 32, and this kernel 15-16 at 1-16 rows, 26 at 32 (the weights read once, in the order they lie in memory,
-for up to 32 rows at once). Prompts' chunks stay oneDNN's.
-
-How: bf16_rows.c is compiled on first use by the system's gcc, against the OpenMP runtime that PyTorch has
-loaded (the kernel's threads are then PyTorch's own, not a second pool fighting it for the cores), into
-$XDG_CACHE_HOME (or ~/.cache) /nanogpt/bf16_rows-<hash>.so, named by the source, the compiler and the runtime;
-a later start only loads it. The weight stays where oneDNN packed it (no second copy): Kernel checks that a
-packed weight is laid out as the kernel reads it, and one that is not (another oneDNN, another CPU) keeps
-oneDNN's product. Where the kernels cannot be built or run (no gcc, not Linux on x86-64, no AVX-512 BF16), load()
-is None and decoding is oneDNN's, as before; so is it where Linux does not lend the process AMX."""
+bf16_rows.c is compiled on first use by the system's gcc, against the OpenMP runtime PyTorch has loaded (so the
+kernel's threads are PyTorch's own, not a second pool fighting it for the cores), into the cache directory (load).
+Where the kernels cannot be built or run (no gcc, not Linux on x86-64, no AVX-512 BF16, no AMX lent), load() or
+Kernel is None and decoding is oneDNN's. Not here: which layers use it (packing.py), prompts' chunks (oneDNN's).
+"""
 
 import ctypes
 import functools
@@ -37,7 +32,9 @@ BLOCK = 32  # outputs in a block of oneDNN's packed weight, as bf16_rows.c reads
 @functools.lru_cache(maxsize=None)
 def load():
     """The kernels (bf16_rows.c, through ctypes; .amx: whether Linux lends this process AMX, which bf16_rows needs),
-    built on the first call on this machine; None where they cannot be built or run here."""
+    built on the first call on this machine; None where they cannot be built or run here. The library is
+    $XDG_CACHE_HOME (or ~/.cache) /nanogpt/bf16_rows-<hash>.so, named by the source, the compiler and the runtime:
+    a later start only loads it."""
     if sys.platform != "linux" or platform.machine() != "x86_64" or not torch.cpu._is_avx512_bf16_supported():
         return None
     compiler, openmp = shutil.which("gcc"), _openmp()
@@ -93,7 +90,8 @@ def _build(compiler, openmp, path):
 class Kernel:
     """The kernel bound to a weight packed by oneDNN in bfloat16 (torch.ops.mkldnn._reorder_linear_weight of
     weight, out x in, converted), where its packed memory is laid out as bf16_rows.c reads it and Linux lends
-    the process AMX; else None (new)."""
+    the process AMX; else None (new). The weight stays where oneDNN packed it (no second copy); one packed
+    otherwise (another oneDNN, another CPU) keeps oneDNN's product."""
 
     def __new__(cls, packed, weight):
         library = load()

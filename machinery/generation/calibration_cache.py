@@ -1,16 +1,14 @@
-"""What packing.calibrate measured on this machine, kept in a JSON file for the next start (sample.py and serve.py):
-measuring GPT-2's five shapes takes 0.1-0.2 s of every start, and the answer is the kernels', not the model's.
+"""
+What packing.calibrate measured on this machine, kept in a JSON file for the next start (sample.py and serve.py):
+measuring takes time at every start (BENCHMARKS.md), and the answer is the kernels', not the model's.
 
-A layer's entry (keyed by its class, weight shape, dtype and bias) holds the min_rows calibrate set, the most rows
-it found a pass may hold, and the most rows it measured up to: a later engine takes it where that answers its own
-max_batch, and measures otherwise. The whole file belongs to one machine, named by what decides oneDNN's and
-PyTorch's choice of kernels: the CPU (vendor, family, model and flags, /proc/cpuinfo), the torch build (which
-bundles oneDNN), the threads, the CPU capability PyTorch dispatches to, and the environment variables that cap or
-tune them (ONEDNN_*, DNNL_*, ATEN_CPU_CAPABILITY, OMP_*, MKL_*). Anything else, and the file is ignored and
-written anew; where the CPU cannot be named (no /proc/cpuinfo), nothing is kept and calibrate measures every time.
-
+A layer's entry (layer_key) holds the min_rows calibrate set, the most rows it found a pass may hold, and the most
+rows it measured up to: a later engine takes it where that answers its own max_batch, and measures otherwise. The
+whole file belongs to one machine, named by what decides the choice of kernels (machine): anything else, and the
+file is ignored and written anew; where the CPU cannot be named, nothing is kept and calibrate measures every time.
 The file is $XDG_CACHE_HOME (or ~/.cache) /nanogpt/calibration.json, written atomically; a file that cannot be
-read or written only makes the next start measure again."""
+read or written only makes the next start measure again. Not here: the measuring itself (packing.calibrate).
+"""
 
 import json
 import os
@@ -24,8 +22,9 @@ ENVIRONMENT = ("ONEDNN_", "DNNL_", "ATEN_CPU_CAPABILITY", "OMP_", "MKL_")
 
 
 def machine():
-    """What decides which kernels compute a product here (see the module's docstring), or None where the CPU
-    cannot be named."""
+    """What decides which kernels compute a product here, or None where the CPU cannot be named (no
+    /proc/cpuinfo): the CPU (vendor, family, model and flags), the torch build (which bundles oneDNN), the threads,
+    the CPU capability PyTorch dispatches to, and the environment variables that cap or tune them (ENVIRONMENT)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             first = f.read().split("\n\n")[0]

@@ -3,18 +3,13 @@ How the rows of the fixed decoding step (decode.Fixed) attend over the KV cache:
 engine.Engine, sample.py and serve.py, its two ways, and the bytes of keys and values each way reads (kv_bytes); and
 where the fixed step's settings apply (check, check_ahead: decode_ahead's).
 
-- full: PyTorch's SDPA over the whole cache, each row masked to its own positions: every row reads every position
-  of the cache, however few it holds.
-- flex: FlexAttention (torch.nn.attention.flex_attention) with a block mask that the step builds on the device
-  from the rows' positions, with tensor ops alone (no wait for the host: it is captured in the step's CUDA graph).
-  A row reads the blocks of BLOCK positions before its position's block whole (no mask needed on them) and its
-  position's block masked (kv_idx <= pos), nothing else: its bytes grow with its own length. On CUDA flex runs
-  compiled (its decoding kernel splits a row's keys across thread blocks and combines the parts); on the CPU it
-  runs eagerly (PyTorch's unfused reference, for tests: compiling it there takes about a minute).
+- full: PyTorch's SDPA over the whole cache, each row masked to its own positions: every row reads every position.
+- flex: FlexAttention with a block mask built on the device from the rows' positions (Flex.prepare): a row reads
+  its own blocks only, so its bytes grow with its own length.
 
-Either way the step's shapes never change, so its kernels and their configuration never do, and a row's result
-depends on its own positions only: masked keys weigh exactly 0, and the order of a row's sums (which blocks, which
-split of the keys) follows from its own block count.
+Either way the step's shapes never change, so its kernels never do, and a row's result depends on its own
+positions only: masked keys weigh exactly 0, and the order of a row's sums follows from its own block count.
+Not here: the fixed step itself and its CUDA graph (decode.py).
 """
 
 import warnings
@@ -77,7 +72,10 @@ class Full:
 
 
 class Flex:
-    """FlexAttention over each row's own blocks, through a block mask built at every step (prepare)."""
+    """FlexAttention over each row's own blocks, through a block mask built at every step (prepare), with tensor
+    ops alone (no wait for the host: it is captured in the step's CUDA graph). On CUDA flex runs compiled (its
+    decoding kernel splits a row's keys across thread blocks); on the CPU eagerly, PyTorch's unfused reference,
+    for tests (compiling it there is slow: docs/benchmarks-history.md)."""
 
     kind = "flex"
 

@@ -2,18 +2,14 @@
 Which trained model to use, and where: the settings that every command using a model shares (sample.py,
 eval.py, export.py, serve.py) and loading it.
 
-    --init_from=resume --out_dir=DIR [--ckpt=best|latest]   a checkpoint of train.py (ours, or nanoGPT's ckpt.pt; a
-                                                            LoRA run's: its base with the adapters merged in)
+    --init_from=resume --out_dir=DIR [--ckpt=best|latest]   a checkpoint of train.py (ours, nanoGPT's, a LoRA run's)
     --init_from=gpt2|gpt2-medium|gpt2-large|gpt2-xl|PATH     GPT-2 weights in Hugging Face's layout (convert.py)
     --meta=PATH                                             the tokenizer, for checkpoints that record none
-    --device, --dtype                                       where it runs, in which precision (hardware.py)
-    --quantize=int8                                         int8 weights for decoding on the CPU (quantize.py)
-    --decode_attention=full|flex                            how CUDA's decoding step attends (sample.py, serve.py:
-                                                            decode_attention.py)
-    --decode_ahead                                          CUDA's decoding steps launched one ahead of the host
+    --device, --dtype, --quantize=int8                      where it runs, in which precision (hardware, quantize)
+    --decode_attention=full|flex, --decode_ahead            CUDA's decoding step (decode_attention.py)
 
 load() returns a Loaded: the model in eval mode on its device, its tokenizer and dataset metadata, and the
-precision to run it in.
+precision to run it in. Not here: reading checkpoints (weights/checkpoint.py) or decoding (engine.py).
 """
 
 import sys
@@ -115,7 +111,8 @@ class Loaded:
 
 def load(source, device="cpu", dtype="float32"):
     """The model a ModelSource names with its tokenizer, on device (a device name or "auto"), for dtype.
-    init_from=resume: the checkpoint in out_dir (best or latest); else GPT-2 weights (convert.py). --meta
+    init_from=resume: the checkpoint in out_dir (best or latest; nanoGPT's ckpt.pt too; a LoRA run's: its base with
+    the adapters merged in); else GPT-2 weights (convert.py). --meta
     overrides the tokenizer; a checkpoint without one (nanoGPT's) uses its dataset's meta.json or meta.pkl,
     else GPT-2 BPE, and says so on stderr."""
     device = pick_device(device)

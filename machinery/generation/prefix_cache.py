@@ -3,18 +3,12 @@ The engine's prefix cache: the keys and values of prompts' whole prefill chunks,
 that begins with the same tokens (the next turn of a conversation, the same system prompt, the other
 choices of a request), and the rows of paused streams while they wait for their readers.
 
-The engine encodes a prompt alone, in chunks of a fixed size (prefill_chunk) from its first token, so the
-keys and values of a whole chunk depend only on the tokens up to its end: what is kept is bit for bit what
-a recomputation would give, and a request that takes it gets the tokens and log-probabilities it would get
-without it. A part of a chunk is never kept (a pass over fewer tokens may round otherwise).
-
-Entries form a tree (SGLang's radix tree, over whole chunks): a node is a chunk of tokens after its parent's
-prefix, under a root per cache_salt (requests of different salts share nothing: a hit is visible in timing).
-Their keys and values live in a pool of blocks of one chunk each, allocated once (vLLM's block pool): the
-cache never holds more than its budget, whatever the flood of prompts. When a block is needed and none is free,
-the least recently used leaf is evicted (OrderedDict's order, with every node kept after its descendants, so
-the oldest entry is always a leaf). A parked row (a paused stream that gave its slot to a waiting request) holds
-blocks of its own until it resumes; those are never evicted.
+The engine encodes a prompt in chunks of a fixed size from its first token, so a whole chunk's keys and values
+depend only on the tokens up to its end: what is kept is bit for bit what a recomputation would give. A part of a
+chunk is never kept (a pass over fewer tokens may round otherwise). Entries form a tree (SGLang's radix tree, over
+whole chunks) under a root per cache_salt (different salts share nothing: a hit is visible in timing), in a pool of
+blocks allocated once (vLLM's block pool): never more than its budget. Not here: when the engine stores, takes
+or parks (engine.py), the rows' memory (decode.Slots).
 """
 
 import collections
@@ -32,7 +26,11 @@ class Node:
 
 class PrefixCache:
     """Whole chunks of `chunk` tokens of prompts, and parked rows, in blocks of `budget_mb` MB at most, over the
-    engine's Slots (decode.py: keys and values are copied between its rows and the pool's blocks)."""
+    engine's Slots (decode.py: keys and values are copied between its rows and the pool's blocks).
+
+    When a block is needed and none is free, the least recently used leaf is evicted (OrderedDict's order, with
+    every node kept after its descendants, so the oldest entry is always a leaf). A parked row (a paused stream
+    that gave its slot to a waiting request) holds blocks of its own until it resumes; those are never evicted."""
 
     def __init__(self, slots, chunk, budget_mb):
         rows, n_head, _, head_size = slots.k[0].shape

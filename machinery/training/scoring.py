@@ -3,16 +3,11 @@ Scoring a model: the summed cross-entropy of rows of tokens (token_losses), Hell
 (hellaswag_accuracy, and TrainingHellaSwag for train.py), and the loss on a whole text (text_loss).
 eval.py is the command around them.
 
-HellaSwag (Zellers et al. 2019): each example is a context and four endings, one of them right.
-Every ending is scored as a continuation of the context: the tokens of `ctx`, then the tokens of
-" " + ending (encoded separately and concatenated, as build-nanogpt does; lm-evaluation-harness
-adds the same leading space). acc picks the ending with the lowest summed cross-entropy over its
-tokens, acc_norm the lowest mean per token, which is how GPT-2 124M's 29.55 % is reported. The
-data is the validation split (10,042 examples), rowanz's hellaswag_val.jsonl: a local copy, or
-downloaded once into data/hellaswag/. Only GPT-2 BPE models can take it (the endings are English
-text in GPT-2's tokens).
-
-Under torchrun the examples (and text windows) are split over the processes and the counts summed.
+HellaSwag (Zellers et al. 2019): each example is a context and four endings, one of them right; every ending is
+scored as a continuation of the context (example_tensors), acc by the lowest summed loss, acc_norm by the lowest
+mean. The data is rowanz's hellaswag_val.jsonl: a local copy, or downloaded once into data/hellaswag/. Only GPT-2
+BPE models can take it (the endings are English text in GPT-2's tokens). Under torchrun the examples (and text
+windows) are split over the processes and the counts summed. Not here: the loss during training (train.py).
 """
 
 import json
@@ -69,7 +64,8 @@ def _hellaswag_example(line, where):
 
 
 def hellaswag_path(setting_value):
-    """The jsonl to read: the file given, or the cached download (fetched on first use)."""
+    """The jsonl to read: the file given, or the cached download (fetched on first use): the validation split,
+    10,042 examples."""
     if setting_value not in (None, "auto"):
         return setting_value
     if not os.path.isfile(HELLASWAG_CACHE):
@@ -94,7 +90,9 @@ def download_hellaswag(path):
 
 def example_tensors(encode, example, block_size):
     """The four rows of one example, right-padded to one length: inputs (4, T) and targets (4, T), the
-    next token where it belongs to the ending and -1 elsewhere (context and padding are not scored)."""
+    next token where it belongs to the ending and -1 elsewhere (context and padding are not scored). The tokens
+    of `ctx`, then those of " " + ending, encoded separately and concatenated, as build-nanogpt does
+    (lm-evaluation-harness adds the same leading space)."""
     ctx = encode(example["ctx"])
     inputs, targets = [], []
     for ending in example["endings"]:
@@ -127,7 +125,8 @@ def token_losses(model, inputs, targets, device, ctx):
 
 def hellaswag_scores(model, encode, examples, device, ctx=nullcontext()):
     """One record per example: the summed and mean losses of its four endings, the choice by each
-    (acc: lowest sum, acc_norm: lowest mean; the first of equals) and the label. One forward pass
+    (acc: lowest sum, acc_norm: lowest mean, the one GPT-2 124M's published figure reports; the first of
+    equals) and the label. One forward pass
     per example; the model is put in eval mode meanwhile."""
     was_training = model.training
     model.eval()

@@ -1,23 +1,16 @@
 """
-Checkpoints: what they hold, writing them so that no crash can corrupt one, and reading
-them (ours and nanoGPT's) without running anyone's code. Other modules ask a loaded
-Checkpoint for what they need; only this file knows the keys of the dict on disk.
+Checkpoints: what they hold, writing them so that no crash can corrupt one (save), and reading them (ours and
+nanoGPT's) without running anyone's code (torch_load). Other modules ask a loaded Checkpoint for what they need;
+only this file knows the keys of the dict on disk.
 
 out_dir/ckpt.pt   the latest full training state, for init_from=resume
 out_dir/best.pt   the weights with the best validation loss, for sampling
 
-Both are plain dicts of tensors, numbers, strings, lists and dicts, so they load with
-torch.load(..., weights_only=True), which builds only tensors and plain data: a file that asks
-for anything else (unpickling can call any function) is refused in one line, as is a damaged one.
-
     model, model_config, train_config, iter_num, best_val_loss, meta (the dataset's tokenizer)
     ckpt.pt also: optimizer, scaler, ranks (per process: every RNG and the batch sampler), wandb_run_id
-    a LoRA run's: model holds only the adapters (the optimizer only theirs), and lora its settings and its
-    base, named and fingerprinted (lora.py): loading rebuilds the base and puts the adapters on it
+    a LoRA run's: model holds only the adapters (the optimizer only theirs), and lora its settings and its base
 
-Weights and optimizer state are full (unsharded) tensors on the CPU, the optimizer's keyed by
-parameter name: a checkpoint written by any number of processes, with DDP or FSDP, resumes
-under any other and loads in a single-process sample.py.
+Not here: rebuilding a LoRA run's base (lora.py), GPT-2's weights (gpt2_weights.py), the training loop (train.py).
 """
 
 import os
@@ -205,7 +198,9 @@ def model_state(model):
 
 
 def optimizer_state(model, optimizer):
-    """Full optimizer state on the CPU keyed by parameter name (every rank must call it)."""
+    """Full optimizer state on the CPU keyed by parameter name (every rank must call it). With model_state's full
+    weights, a checkpoint written by any number of processes, with DDP or FSDP, resumes under any other and loads
+    in a single-process sample.py."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -260,7 +255,9 @@ _UNSAFE_SIGNS = ("GLOBAL", "unrecognized function", "Can only create new object"
 
 
 def torch_load(path):
-    """torch.load a file of tensors and plain data (weights_only=True) onto the CPU; one-line errors."""
+    """torch.load a file of tensors and plain data (weights_only=True) onto the CPU; one-line errors. Checkpoints
+    are plain dicts of tensors, numbers, strings, lists and dicts, so weights_only builds only those: a file that
+    asks for anything else (unpickling can call any function) is refused in one line, as is a damaged one."""
     corrupt = f"checkpoint {path} is truncated or corrupt"
     # torch.save has written zip files since PyTorch 1.6; anything else is damaged or not a checkpoint
     if not zipfile.is_zipfile(path):

@@ -2,30 +2,13 @@
 Our model as one GGUF file, llama.cpp's format (Ollama and LM Studio read it too): llama.cpp's GPT-2
 architecture, with the tokenizer inside, written with the gguf package's GGUFWriter.
 
-It writes what llama.cpp's own converter (convert_hf_to_gguf.py) writes from our Hugging Face export
-(machinery/weights/convert.py's to_hf): the same metadata, tensor names, shapes and types, so that a model that
-export.py --to=hf writes and the converter converts, and one that export.py --to=gguf writes, load the
-same in llama.cpp. Two differences: the feed-forward width is the model's own (the converter writes
-4 * n_embd, which llama.cpp then refuses to load for mlp_ratio != 4), and general.name is the model's.
-
-    outtype  matrices                    vectors (LayerNorms, biases), position embedding
-    f32      float32                     float32
-    f16      float16                     float32
-    q8_0     Q8_0 (int8 in blocks of 32  float32
-             with a float16 scale each;
-             float16 where a row is not
-             a multiple of 32 long)
-
-A chat model's file also holds its format (machinery/data/chat.py): the special tokens as control tokens, the template
-as tokenizer.chat_template (without the {% generation %} block, which only transformers knows) and the
-assistant's end of turn as the end-of-turn token, where llama.cpp ends a generation.
-
-What GPT-2's architecture cannot say is refused before anything is written, in one line (to_hf:
-QK-norm), and so is a character-level model: llama.cpp has no character tokenizer to put in the file.
-Any MLP width is written as it is. GELU: llama.cpp computes the tanh approximation through a table of
-float16 values, whatever the model; so its float32 logits agree with ours within about 1e-3, not exactly
-(tests/test_gguf.py), for models with the exact GELU too (the two GELUs differ by 5e-4 at most, less than
-the table's own rounding).
+It writes what llama.cpp's own converter (convert_hf_to_gguf.py) writes from our Hugging Face export (convert.py's
+to_hf): the same metadata, tensor names, shapes and types (tensor_type), so the two load the same in llama.cpp.
+Two differences: the feed-forward width is the model's own (the converter writes 4 * n_embd, which llama.cpp then
+refuses for mlp_ratio != 4), and general.name is the model's. A chat model's file also holds its format
+(_add_tokenizer). What GPT-2's architecture cannot say is refused before anything is written, in one line (to_hf:
+QK-norm), and so is a character-level model (llama.cpp has no character tokenizer). Not here: the Hugging Face
+export (convert.py), export.py's settings.
 """
 
 import importlib
@@ -85,7 +68,14 @@ def vocabulary(gguf, vocab_size, data_meta):
 
 
 def tensor_type(gguf, name, array, outtype):
-    """The GGUF type a tensor is written in (llama.cpp's converter's rules, see the module's docstring)."""
+    """The GGUF type a tensor is written in (llama.cpp's converter's rules):
+
+        outtype  matrices                                         vectors (LayerNorms, biases), position embedding
+        f32      float32                                          float32
+        f16      float16                                          float32
+        q8_0     Q8_0 (int8 in blocks of 32, a float16 scale      float32
+                 each; float16 where a row is not a multiple of 32)
+    """
     types = gguf.GGMLQuantizationType
     if array.ndim <= 1 or name.startswith("position_embd."):
         return types.F32
@@ -96,7 +86,9 @@ def tensor_type(gguf, name, array, outtype):
 
 def write_gguf(path, model, data_meta, outtype="f16", name="gpt"):
     """Write model (and its GPT-2 BPE tokenizer) to a new GGUF file at path, atomically; nothing is written
-    when the model or the place cannot be."""
+    when the model or the place cannot be. Any MLP width and either GELU is written as it is: llama.cpp computes
+    the tanh approximation through a table of float16 values, so its float32 logits agree with ours within a
+    small tolerance, not exactly (tests/test_gguf.py; the figures: docs/benchmarks-history.md)."""
     gguf = import_gguf()
     check_outtype(outtype)
     if data_meta is None or data_meta.tokenizer not in ("gpt2", "bpe"):
@@ -151,8 +143,9 @@ def _add_metadata(gguf, writer, config, name, file_type):
 
 def _add_tokenizer(gguf, writer, config, data_meta):
     """The tokenizer's keys: a byte-level BPE split by GPT-2's pattern (llama.cpp's "gpt-2" pre-tokenizer), and for
-    a chat model its template (llama.cpp's chat uses it) and its assistant's end of turn as the end of a
-    generation (eot: llama.cpp stops there)."""
+    a chat model (chat.py) its special tokens as control tokens, its template as tokenizer.chat_template (without
+    the {% generation %} block, which only transformers knows; llama.cpp's chat uses it) and its assistant's end
+    of turn as the end of a generation (eot: llama.cpp stops there)."""
     tokens, types, merges, tok = vocabulary(gguf, config["vocab_size"], data_meta)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")

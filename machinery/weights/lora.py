@@ -4,18 +4,12 @@ weights frozen. A targeted layer y = W x + b becomes
 
     y = W x + b + (alpha / rank) * B A dropout(x)        A: (rank, in), B: (out, rank)
 
-with A drawn as nn.Linear's (and peft's) kaiming_uniform(a=sqrt(5)) and B zero, so training starts from the base
-model exactly. LoRALinear replaces an nn.Linear from outside model.py and keeps its `weight` and `bias` names, so a
-base state dict loads into a LoRA model as it is and the adapters are the state's `.lora_A` / `.lora_B` entries.
-
     --lora_targets   attn (the q/k/v projection, blocks.N.attn.qkv), proj (attention's output, blocks.N.attn.proj),
                      mlp (blocks.N.ffwd.fc and blocks.N.ffwd.proj)
 
-What a LoRA checkpoint holds besides the adapters (checkpoint.py writes it as "lora"): the settings and its base,
-named so that it can be rebuilt (GPT-2 weights: their init_from; a new model: init_from=scratch and the seed that
-drew it) and checked (the sha256 of the base's weights: a base that changed since is refused, not silently used).
-Loading merges the adapters into the base (merge): sample, serve, eval and export then see a plain GPT. PEFT's
-format (peft_files) names the same tensors by GPT-2's modules (c_attn, c_proj, c_fc: gpt2_weights.py's table).
+Owns the adapters (LoRALinear, TrainedTokens), what a LoRA checkpoint records of its base (named so that it can
+be rebuilt, fingerprinted so that a changed base is refused: build_base), merging (merge: sample, serve, eval and
+export then see a plain GPT) and PEFT's format (peft_files). Not here: the checkpoint's file (checkpoint.py).
 """
 
 import hashlib
@@ -69,7 +63,10 @@ class LoRASettings:
 
 
 class LoRALinear(nn.Module):
-    """An nn.Linear (its own weight and bias, frozen) plus a low-rank update: (alpha / rank) B A dropout(x)."""
+    """An nn.Linear (its own weight and bias, frozen) plus a low-rank update: (alpha / rank) B A dropout(x).
+    A is drawn as nn.Linear's (and peft's) kaiming_uniform(a=sqrt(5)) and B is zero, so training starts from the
+    base model exactly. It keeps the `weight` and `bias` names, so a base state dict loads into a LoRA model as it
+    is and the adapters are the state's `.lora_A` / `.lora_B` entries."""
 
     def __init__(self, linear, rank, alpha, dropout):
         super().__init__()
@@ -235,7 +232,9 @@ def settings_of(record):
 
 
 def build_base(record, model_config, source):
-    """The base model a LoRA checkpoint names, rebuilt on the CPU and checked against its sha256."""
+    """The base model a LoRA checkpoint names, rebuilt on the CPU and checked against its sha256 (GPT-2 weights:
+    their init_from; a new model: init_from=scratch and the seed that drew it); a base that changed since is
+    refused, not silently used."""
     base = record["base"]
     name = base["init_from"]
     if name == "scratch":

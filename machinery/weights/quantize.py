@@ -3,23 +3,12 @@ int8 weights for decoding on the CPU (--quantize=int8 of sample.py, serve.py and
 int8, one scale per output channel, for the linear layers and the output head, through PyTorch's own
 kernel, torch.ops.aten._weight_int8pack_mm (no hand-written matmul, no other package).
 
-Decoding one token reads every weight once, so on a CPU its speed is memory's: int8 weights are a
-quarter of float32's bytes and half of bfloat16's (BENCHMARKS.md). Each output channel (a row of the
-weight, out_features of them) gets the scale max|row| / 127, and its weights the nearest integers in
-[-127, 127]; the kernel multiplies bfloat16 activations by them, accumulating in float32, and rounds
-the result to bfloat16 (the rest of the model runs in --dtype: the result is cast back to it and the
-bias, kept in that dtype, added). The kernel is vectorised for bfloat16 activations only (float32 or
-float16 ones take a scalar loop, 30x slower: measured), hence bfloat16 at its input on every CPU; it
-only converts, so no native bfloat16 is needed (AVX2 runs it too).
-
-A row's result does not depend on the other rows (each output is one dot product, accumulated in the same
-order whatever the number of rows), so the engine's batch-independence holds (tests/test_quantize.py).
-The kernel reads its rows 16 values at a time with aligned loads: a layer whose in_features is not a
-multiple of 32 keeps its weights as they are.
-
-The error against float32 (measured and bounded in tests/test_quantize.py): each weight is off by at
-most half its row's step (max|row| / 254), each activation by bfloat16's rounding (2^-9 of it), and each
-output by bfloat16's rounding.
+Why: decoding one token reads every weight once, so on a CPU its speed is memory's, and int8 weights are a quarter
+of float32's bytes and half of bfloat16's (BENCHMARKS.md). A row's result does not depend on the other rows (each
+output is one dot product, accumulated in the same order), so the engine's batch-independence holds. The error
+against float32 (bounded in tests/test_quantize.py): each weight off by at most half its row's step
+(max|row| / 254), each activation and each output by bfloat16's rounding (2^-9).
+Not here: which layers the engine packs otherwise (generation/packing.py), GGUF's Q8_0 (gguf_export.py).
 """
 
 import torch
@@ -51,7 +40,9 @@ def int8_per_channel(weight):
 
 
 class Int8Linear(nn.Module):
-    """An nn.Linear with weight-only int8 weights (int8_per_channel), computed by _weight_int8pack_mm."""
+    """An nn.Linear with weight-only int8 weights (int8_per_channel), computed by _weight_int8pack_mm: bfloat16
+    activations times them, accumulated in float32, the result rounded to bfloat16, cast back to the model's dtype
+    and the bias (kept in that dtype) added."""
 
     def __init__(self, linear):
         super().__init__()
@@ -68,6 +59,8 @@ class Int8Linear(nn.Module):
         # there is no data pointer to look at (asking for it would split the graph, and dynamo would then compile
         # the attention once per layer): a copy is always a fresh allocation, and at decoding's few rows cheap
         if torch.compiler.is_compiling() or xb.dtype != torch.bfloat16 or not xb.is_contiguous() or xb.data_ptr() % 64:
+            # bfloat16 on every CPU: the kernel is vectorised for it alone (float32 or float16: a scalar loop, far
+            # slower) and only converts it, so AVX2 runs it too
             xb = xb.to(torch.bfloat16, memory_format=torch.contiguous_format, copy=True)
         y = torch.ops.aten._weight_int8pack_mm(xb, self.weight_int8, self.scale.to(torch.bfloat16)).to(x.dtype)
         if self.bias is not None:
@@ -83,6 +76,6 @@ def quantize(model, kind):
     check(kind, next(model.parameters()).device.type)  # (--device=auto may have picked a GPU)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and child.in_features % ALIGN == 0:
+            if type(child) is nn.Linear and child.in_features % ALIGN == 0:  # (others keep their weights)
                 setattr(module, name, Int8Linear(child))
     return model
