@@ -1,10 +1,8 @@
-"""
-The GPT language model, all of it in this one file: GPTConfig -> Head -> MultiHeadAttention -> FeedForward -> Block
--> GPT. GPT-2's architecture (pre-LayerNorm blocks, learned position embedding, tied embeddings, GELU MLP) with one
-option GPT-2 lacks (`qk_norm`), and nanoGPT's API: `GPT(GPTConfig(...))`, `model(idx, targets)`, `generate`,
+"""The GPT language model, all of it in this one file: GPTConfig -> Head -> MultiHeadAttention -> FeedForward ->
+Block -> GPT. GPT-2's architecture (pre-LayerNorm blocks, learned position embedding, tied embeddings, GELU MLP) with
+one option GPT-2 lacks (`qk_norm`), and nanoGPT's API: `GPT(GPTConfig(...))`, `model(idx, targets)`, `generate`,
 `estimate_mfu`, `GPT.from_pretrained` (GPT-2's files read by machinery/weights/gpt2_weights.py, the one module of the
-project it imports, there only).
-"""
+project it imports, there only)."""
 
 import math
 from contextlib import nullcontext
@@ -52,6 +50,7 @@ class Head(nn.Module):
     def __init__(self, dropout):
         super().__init__()
         self.dropout = dropout
+        self.keep_weights, self.weights = False, None  # keep_weights: the explicit path, its softmax kept in weights
 
     def forward(self, q, k, v, mask=None):
         if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
@@ -60,14 +59,21 @@ class Head(nn.Module):
                 return self.forward(q.float(), k.float(), v.float(), mask).to(q.dtype)
         Tq, Tk = q.size(-2), k.size(-2)  # q: the newest Tq positions; k, v: all Tk so far (Tk > Tq: a KV cache)
         dropout_p = self.dropout if self.training else 0.0
-        if mask is not None:  # (B, 1, Tq, Tk): which positions each query sees (a cache of fixed size)
+        if mask is None and (self.keep_weights or Tq not in (1, Tk)):  # causal: query i is at position Tk-Tq+i
+            mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+        if self.keep_weights:  # the fused kernels never build the weights (PyTorch #98505): the same, step by step
+            return self.explicit(q, k, v, mask, dropout_p)
+        if mask is not None:  # which positions each query sees: (B, 1, Tq, Tk) from a cache of fixed size, or causal
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         if Tq == 1:  # one new token sees every position (first: a compiled model decodes with one graph)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-        if Tq == Tk:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)  # query i: position Tk-Tq+i
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # Tq == Tk
+
+    def explicit(self, q, k, v, mask, dropout_p=0.0):
+        """SDPA's softmax(q k^T / sqrt(head_size), where mask) v; the softmax (B, n_head, Tq, Tk) kept in weights."""
+        scores = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5
+        self.weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return F.dropout(self.weights, dropout_p) @ v
 
 
 class MultiHeadAttention(nn.Module):
@@ -75,9 +81,7 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.n_head = config.n_head
-        self.head_size = config.n_embd // config.n_head
-        self.qk_norm = config.qk_norm
+        self.n_head, self.head_size, self.qk_norm = config.n_head, config.n_embd // config.n_head, config.qk_norm
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # W_Q, W_K, W_V of all heads
         self.heads = Head(config.dropout)  # every head's attention at once: the heads are a batch dimension
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
@@ -92,10 +96,8 @@ class MultiHeadAttention(nn.Module):
             q, k = F.layer_norm(q, (self.head_size,)), F.layer_norm(k, (self.head_size,))
         # (B, T, n_head, head_size) -> (B, n_head, T, head_size): the heads become a batch dimension
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if kv_cache is None:
-            y = self.heads(q, k, v)  # (B, n_head, T, head_size)
-        else:  # the cache stores k and v, and has the heads attend over every position it holds
-            y = kv_cache.attend(layer, q, k, v, self.heads)
+        # (B, n_head, T, head_size); a cache stores k and v, and has the heads attend over every position it holds
+        y = self.heads(q, k, v) if kv_cache is None else kv_cache.attend(layer, q, k, v, self.heads)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # concatenate the heads
         return self.resid_dropout(self.proj(y))
 
@@ -159,8 +161,7 @@ class GPT(nn.Module):
 
     def get_num_params(self, non_embedding=True):
         """Number of parameters, by default without the position embedding (the token one is the output layer too)."""
-        n_params = sum(p.numel() for p in self.parameters())
-        return n_params - (self.pos_emb.weight.numel() if non_embedding else 0)
+        return sum(p.numel() for p in self.parameters()) - (self.pos_emb.weight.numel() if non_embedding else 0)
 
     def forward(self, idx, targets=None, kv_cache=None, every_position=False):
         """The logits of the tokens idx (B, T) (without targets, only the last position's unless every_position), and
@@ -190,14 +191,13 @@ class GPT(nn.Module):
         """idx (B, T) extended by up to max_new_tokens tokens, as nanoGPT's generate (model.eval() first). temperature 0
         is greedy; it ends once every row has drawn one of stop_tokens (then repeated); use_cache=False runs the whole
         context for every token, as nanoGPT (the same tokens, slower); vocab_size: a tokenizer's, under a padded one."""
-        block_size = self.config.block_size
         cache = KVCache(self.config, len(idx), KVCache.dtype_for(self, idx.device), idx.device) if use_cache else None
         stops = torch.tensor(sorted(stop_tokens or ()), dtype=torch.long, device=idx.device)
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         with attention_backends(idx.device):
             for _ in range(max_new_tokens):
                 # the last block_size tokens are all the model can see; one more tells next_logits the window slid
-                logits = self.next_logits(idx[:, -block_size - 1:], cache)[:, :vocab_size]
+                logits = self.next_logits(idx[:, -self.config.block_size - 1:], cache)[:, :vocab_size]
                 tok = sample_next(logits, temperature, top_k, top_p, generator)
                 tok = torch.where(done, idx[:, -1], tok)  # a row that stopped repeats its stop token
                 done |= torch.isin(tok, stops)
@@ -291,10 +291,9 @@ class SkipInit(torch.overrides.TorchFunctionMode):
              "xavier_normal_", "zeros_", "ones_", "constant_", "zero_", "fill_"}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         if getattr(func, "__name__", None) in self.FILLS:
             return args[0] if args else kwargs["tensor"]
-        return func(*args, **kwargs)
+        return func(*args, **(kwargs or {}))
 
 
 class KVCache:
@@ -356,8 +355,7 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
     probabilities add up to top_p), leave a token out."""
     logits = logits.float() / temperature
     if top_k is not None:
-        k = min(int(top_k), logits.size(-1))
-        kth = torch.topk(logits, k, dim=-1).values[:, -1:]
+        kth = torch.topk(logits, min(int(top_k), logits.size(-1)), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         weights = token_weights(logits)
