@@ -31,11 +31,11 @@ from typing import Optional
 
 import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
 from machinery import configurator
-from machinery.generation import engine, loading, packing, talk
+from machinery.generation import engine, grammar, loading, packing, talk
 from machinery.generation.calibration_cache import CalibrationCache
 from machinery.configurator import setting
 from machinery.errors import UserError, exit_without_teardown, run_main
-from machinery.fileio import read_text
+from machinery.fileio import read_json_object, read_text
 from machinery.hardware import describe
 from machinery.generation.request import Request
 from machinery.data.tokenizer import end_of_text_stop
@@ -60,6 +60,9 @@ class SampleConfig(loading.EngineSource):
                                 "streams back, the conversation stays in the context (its oldest turns dropped "
                                 "when it is full); an empty line or Ctrl-D ends it")
     system: Optional[str] = setting(None, "--chat: the system message the conversation begins with")
+    json_schema: Optional[str] = setting(None, "each sample is JSON that follows the JSON schema in this file (or "
+                                               "'object': any JSON object), compact, by constrained decoding "
+                                               "(needs llguidance)")
 
     def validate(self):
         super().validate()
@@ -76,6 +79,8 @@ class SampleConfig(loading.EngineSource):
                             f"user's turns, one reply each); leave it out")
         if self.system is not None and not self.chat:
             raise UserError("--system is the system message of a conversation; add --chat")
+        if self.json_schema is not None and self.chat:
+            raise UserError("--json_schema does not apply to --chat yet; sample without --chat")
 
 
 def read_prompt(start):
@@ -103,6 +108,7 @@ def main(argv=None):
         prompt, ids = read_start(cfg, tokenizer, loaded.model.config.block_size)
     if cfg.stop is not None:
         encode(tokenizer, cfg.stop, "--stop")  # text the model cannot produce would never stop a sample
+    schema = read_schema(cfg.json_schema, tokenizer) if cfg.json_schema is not None else None
     rows = 1 if cfg.chat else cfg.num_samples  # (decoded together: the engine's rows)
     model = packing.prepare(loaded.model, loaded.device, loaded.dtype, compile=cfg.compile, quantize=cfg.quantize)
     print(describe(loaded.device, loaded.dtype), file=sys.stderr)  # (stdout is the samples' alone)
@@ -113,7 +119,7 @@ def main(argv=None):
     if cfg.chat:
         talk.converse(cfg, runner, tokenizer)
     else:
-        print_samples(cfg, runner, tokenizer, prompt, ids)
+        print_samples(cfg, runner, tokenizer, prompt, ids, schema)
 
 
 def read_start(cfg, tokenizer, block_size):
@@ -128,12 +134,23 @@ def read_start(cfg, tokenizer, block_size):
     return prompt, ids
 
 
-def print_samples(cfg, runner, tokenizer, prompt, ids):
-    """Generate num_samples continuations of ids together (sample i with seed + i); stream the first as its
-    text becomes final, then print the others."""
+def read_schema(path, tokenizer):
+    """--json_schema's grammar: the JSON schema in the file at path ('object': any JSON object), compiled; a
+    one-line error for a file that is not one, or a schema that is invalid or needs what llguidance lacks."""
+    schema = grammar.ANY_OBJECT if path == "object" else \
+        read_json_object(path, "; give a JSON schema file after --json_schema=, or 'object' (any JSON object)")
+    try:
+        return grammar.compile_schema(tokenizer, schema)
+    except ValueError as e:
+        raise UserError(f"--json_schema: {e}") from None
+
+
+def print_samples(cfg, runner, tokenizer, prompt, ids, schema=None):
+    """Generate num_samples continuations of ids together (sample i with seed + i), each following schema (a
+    grammar) when given; stream the first as its text becomes final, then print the others."""
     stop, stop_tokens = (cfg.stop,) if cfg.stop else (), end_of_text_stop(tokenizer)
     samples = [runner.submit(Request(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
-                                     seed=cfg.seed + i, stop=stop, stop_tokens=stop_tokens))
+                                     seed=cfg.seed + i, stop=stop, stop_tokens=stop_tokens, grammar=schema))
                for i in range(cfg.num_samples)]
     if cfg.stream:
         print(prompt, end="", flush=True)
@@ -141,6 +158,12 @@ def print_samples(cfg, runner, tokenizer, prompt, ids):
     for i, sample in enumerate(samples):
         print("" if cfg.stream and i == 0 else prompt + sample.text.text)
         print("---------------")
+    for i, sample in enumerate(samples):
+        if sample.error:  # (a schema that the vocabulary cannot finish)
+            print(f"note: sample {i + 1} ended early: {sample.error}", file=sys.stderr)
+    cut = [str(i + 1) for i, sample in enumerate(samples) if schema is not None and sample.finish_reason == "length"]
+    if cut:
+        print(f"note: sample {', '.join(cut)} reached max_new_tokens before its JSON was complete", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,11 @@ Not owned: which rows run, the queue, the prefix cache's policy (machinery/gener
 import collections
 import sys
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from machinery.generation import decode, hugepages
+from machinery.generation import decode, grammar, hugepages
 from machinery.generation.decode_attention import check_ahead
 from machinery.errors import first_line
 from machinery.generation.packing import RowsLinear
@@ -122,7 +123,7 @@ class ModelRunner:
         """One token for each of rows, which decode: the plain pass (feed), or with ahead the fixed step launched
         and landed (land: the next one may be launched before its tokens are read). A launch that fails runs the
         plain pass instead, whose failures end only the rows that fail alone."""
-        if not self.ahead:
+        if not self.ahead or any(g.grammar is not None for g in rows):  # (a grammar's mask needs the host first)
             self.feed(rows, 1)
             return
         try:
@@ -197,10 +198,11 @@ class ModelRunner:
     def _sample(self, rows, logits):
         """Draw the next token of each row from its logits (B, V) on the device (rows with the same settings
         together, each with its own generator), then emit them; a failure ends only the rows that fail alone."""
+        rows, logits, allowed = self._constrain(rows, logits)
         if not rows:
             return
         try:
-            tokens = draw(rows, logits).tolist()  # the one synchronisation of the step
+            tokens = draw(rows, allowed).tolist()  # the one synchronisation of the step
         except Exception as e:
             if len(rows) == 1:
                 self._fail(rows[0], e)
@@ -214,11 +216,42 @@ class ModelRunner:
             except Exception as e:
                 self._fail(g, e)
 
+    def _constrain(self, rows, logits):
+        """(rows, logits, the logits drawn from): a grammar's row has -inf outside the tokens its grammar allows
+        (in a copy: log-probabilities stay the model's); a row whose grammar allows none of the vocabulary's tokens
+        ends (error). Rows without a grammar cost nothing here; the host's work is numpy's, one masked_fill on the
+        device (small torch operations cost more than their arithmetic)."""
+        constrained = [i for i, g in enumerate(rows) if g.grammar is not None]
+        if not constrained:
+            return rows, logits, logits
+        try:
+            allowed = grammar.masks([rows[i].grammar for i in constrained], self.vocab)
+        except Exception as e:
+            for i in constrained:
+                self._fail(rows[i], e)
+            allowed = np.zeros((len(constrained), self.vocab), dtype=np.bool_)
+        if len(constrained) == len(rows):
+            banned = ~allowed
+        else:
+            banned = np.zeros((len(rows), self.vocab), dtype=np.bool_)
+            banned[constrained] = ~allowed
+        dead = [constrained[i] for i in np.flatnonzero(~allowed.any(axis=1))]
+        for i in dead:
+            if not rows[i].done:
+                self._fail(rows[i], ValueError("the JSON schema allows no token of this model's vocabulary here"))
+        masked = logits.masked_fill(to_device(torch.from_numpy(banned), logits.device), float("-inf"))
+        if dead:
+            kept = [i for i in range(len(rows)) if i not in dead]
+            index = to_device(kept, logits.device)
+            return [rows[i] for i in kept], logits[index], masked[index]
+        return rows, logits, masked
+
     def _emit(self, g, token, logits, fed=False):
         """Take g's new token: its event (with its log-probabilities when asked), and the end of g when done. fed: the
         token is in the model already (a step launched ahead: land), so there is nothing left to feed. Past
         block_size a row goes on as nanoGPT's generate does: its last block_size tokens are encoded again."""
         request = g.request
+        complete = g.grammar is not None and g.grammar.advance(token)  # (first: a token outside it fails the row)
         event = Token(token, g.text.add(token))
         if request.logprobs is not None:
             event.logprob, event.top = scores(F.log_softmax(logits, dim=-1), token, request.logprobs)
@@ -229,6 +262,9 @@ class ModelRunner:
         if not fed and (not self.use_cache or g.length >= self.block_size):  # (fed: steady saw room for it)
             g.length, g.todo = 0, g.ids[-self.block_size:]  # the window encoded again: no cache, or it slid
         if g.text.done:
+            event.finish_reason = "stop"
+        elif complete:  # (only an end token may follow)
+            event.text += g.text.finish()
             event.finish_reason = "stop"
         elif g.completion_tokens >= request.max_tokens:
             event.text += g.text.finish()

@@ -36,6 +36,7 @@ class Request:
     logprobs: Optional[int] = None
     echo: bool = False
     cache_salt: Optional[str] = None  # prefixes are shared only between requests of the same salt
+    grammar: Optional[object] = None  # a compiled schema the reply must follow (grammar.compile_schema)
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Generation:
         self.echoed = 0  # prompt tokens echoed so far (echo)
         seed = request.seed if request.seed is not None else secrets.randbits(62)
         self.generator = torch.Generator().manual_seed(seed)  # its own draws (on the host: model_runner.draw)
+        self.grammar = None if request.grammar is None else request.grammar.start(request.stop_tokens)  # its state
 
     def emit(self, token):
         """Deliver token, unless the generation has ended already (an abort can overtake the engine)."""
