@@ -134,6 +134,17 @@ def test_a_rows_tokens_are_its_own_with_schemas_mixed_in_the_batch(setup):
     assert together == [mixed(runner, tokenizer, [i], seed=1)[0] for i in range(len(MIXED))]
 
 
+def test_the_fixed_step_launched_ahead_gives_the_same_tokens_with_schemas_mixed_in():
+    """A batch holding a row with a schema decodes on the plain path of the fixed step (its mask needs the host's
+    token first); once those rows have ended, the others are launched ahead again: the same tokens either way."""
+    tokenizer = CharTokenizer(JSON_CHARS)
+    model = random_model(tokenizer.vocab_size)
+    ahead, plain = (engine.Engine(model, tokenizer, max_batch=8, fixed=True, ahead=a) for a in (True, False))
+    together = mixed(ahead, tokenizer, range(len(MIXED)), seed=5)
+    assert together == mixed(plain, tokenizer, range(len(MIXED)), seed=5)
+    assert together == [mixed(ahead, tokenizer, [i], seed=5)[0] for i in range(len(MIXED))]
+
+
 def test_the_prefix_cache_stays_exact_with_schemas():
     tokenizer = CharTokenizer(JSON_CHARS)
     model = random_model(tokenizer.vocab_size)

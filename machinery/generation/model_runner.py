@@ -2,9 +2,10 @@
 The engine's model runner: the model run for the rows that the scheduler (machinery/generation/engine.py) picks, and its logits
 made each row's next token and events. A prompt's chunk or a plain decoding pass runs the model over the rows of the
 KV cache (decode.Rows); a fixed step runs every row of the cache in shapes that never change (decode.FixedStep: a
-CUDA graph), launched ahead, before the host reads the last step's tokens (Flight), where the batch is steady. A row
-draws with its own generator (draw), so it draws what it would alone; a pass that fails runs again row by row, and
-only the rows that fail alone end. On the CPU the weights move into huge pages once a run has used them enough.
+CUDA graph), launched ahead, before the host reads the last step's tokens (Flight), where the batch is steady and no
+row has a grammar. A row draws with its own generator (draw), so it draws what it would alone, a grammar's row among
+the tokens its grammar allows (grammar.py); a pass that fails runs again row by row, and only the rows that fail alone
+end. On the CPU the weights move into huge pages once a run has used them enough.
 Not owned: which rows run, the queue, the prefix cache's policy (machinery/generation/engine.py); the layers (packing.py).
 """
 
