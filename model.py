@@ -1,7 +1,7 @@
 """The GPT language model, all of it in this one file: GPTConfig -> Head -> MultiHeadAttention -> FeedForward ->
 Block -> GPT. GPT-2's architecture (pre-LayerNorm blocks, learned position embedding, tied embeddings, GELU MLP) with
 one option GPT-2 lacks (`qk_norm`), and nanoGPT's API: `GPT(GPTConfig(...))`, `model(idx, targets)`, `generate`,
-`estimate_mfu`, `GPT.from_pretrained` (GPT-2's files read by machinery/weights/gpt2_weights.py, the one module of the
+`estimate_mfu`, `GPT.from_pretrained` (GPT-2's files read by machinery/gpt2_weights.py, the one module of the
 project it imports, there only)."""
 
 import math
@@ -240,7 +240,7 @@ class GPT(nn.Module):
         Hugging Face cache, or a Hugging Face GPT-2 directory. ValueError says what is wrong with the name or files.
         initialise=False: built with_weights, without nanoGPT's random initial weights (faster; torch's random
         stream left as it was)."""
-        from machinery.weights import gpt2_weights  # (here, not at the top: for all else model.py stands alone)
+        from machinery import gpt2_weights  # (here, not at the top: for all else model.py stands alone)
 
         override_args = dict(override_args or {})
         if set(override_args) - {"dropout"}:

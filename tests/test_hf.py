@@ -24,7 +24,8 @@ from conftest import run_in_process
 from conftest import train as train_in_process
 import export
 from machinery.generation import packing
-from machinery.weights import checkpoint, convert, gpt2_weights
+from machinery import gpt2_weights
+from machinery.weights import checkpoint, convert
 from machinery.configurator import parse
 from machinery.errors import UserError
 from machinery.data.meta import DatasetMeta

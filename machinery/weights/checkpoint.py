@@ -27,7 +27,7 @@ from machinery.data import meta
 from machinery.weights import lora
 from machinery.errors import UserError, first_line
 from machinery.fileio import atomic_write
-from machinery.weights.gpt2_weights import from_gpt2_layout
+from machinery.gpt2_weights import from_gpt2_layout
 from model import GPT, GPTConfig
 
 LATEST = "ckpt.pt"

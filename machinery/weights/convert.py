@@ -5,7 +5,7 @@ read into this repository's model and (for Hugging Face) written back out.
 The three share one architecture and differ only in names (gpt2_weights.GPT2_NAMES, the one
 table of them, read both ways by gpt2_weights.gpt2_weight) and in Hugging Face's Conv1D, which
 stores a block's matrices transposed. Reading Hugging Face's GPT-2 is model.py's
-GPT.from_pretrained (machinery/weights/gpt2_weights.py: no `transformers`, no download); this file
+GPT.from_pretrained (machinery/gpt2_weights.py: no `transformers`, no download); this file
 adds the commands' one-line errors, finetuning, and writing our models in Hugging Face's
 format. Not checkpoints (checkpoint.py, nanoGPT's included) nor adapters (lora.py).
 
@@ -21,7 +21,7 @@ import torch
 from machinery.data import chat, meta
 from machinery.errors import UserError
 from machinery.fileio import atomic_write
-from machinery.weights.gpt2_weights import GPT2_SIZES, find_gpt2, gpt2_weight
+from machinery.gpt2_weights import GPT2_SIZES, find_gpt2, gpt2_weight
 from machinery.data.tokenizer import GPT2_EOT, GPT2Tokenizer, gpt2_bpe_files
 from model import GPT, GPTConfig
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from machinery.weights import convert
 from machinery.errors import UserError
-from machinery.weights.gpt2_weights import GPT2_SIZES, gpt2_weight
+from machinery.gpt2_weights import GPT2_SIZES, gpt2_weight
 from model import GPT, GPTConfig
 
 TARGETS = {"attn": ("attn.qkv",), "proj": ("attn.proj",), "mlp": ("ffwd.fc", "ffwd.proj")}  # -> a Block's modules
