@@ -113,3 +113,25 @@ def test_decode_ahead_is_refused_where_no_fixed_step_runs():
     cpu = engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70))
     assert not cpu.model_runner.ahead  # the CPU's default
     assert engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70), fixed=True).model_runner.ahead
+
+
+def test_a_row_that_ends_at_block_size_fails_no_step_launched_for_the_others(monkeypatch):
+    """A row that ends with block_size positions in its cache is still a running row when the next step is launched
+    for the others: the position embedding must not be asked for its position. On the CPU that launch raised an
+    IndexError, which the plain pass then covered in silence; on CUDA it is a device-side assert that ends the
+    process (an H200 found it). So here no launch may fail, and the events are the plain steps'."""
+    failures, launch = [], model_runner.ModelRunner._launch
+
+    def recorded(self, rows, tokens):
+        try:
+            return launch(self, rows, tokens)
+        except Exception as e:
+            failures.append(e)
+            raise
+    monkeypatch.setattr(model_runner.ModelRunner, "_launch", recorded)
+    plain, ahead = fixed_engine(False), fixed_engine(True)
+    for max_tokens in range(12, 17):  # a 2-token prompt in block_size 16: it ends at, before and past the edge
+        requests = [Request([1, 2], max_tokens=max_tokens, temperature=0),
+                    Request([3], max_tokens=40, temperature=1.0, seed=max_tokens)]
+        assert events(ahead, requests) == events(plain, requests)
+    assert failures == []

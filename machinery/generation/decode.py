@@ -48,6 +48,7 @@ class Slots:
         cache = KVCache(config, rows, dtype, device, length, torch.zeros if fixed else torch.empty)
         self.kv, self.k, self.v = cache.kv, cache.k, cache.v
         self.rows, self.length, self.device = rows, length, torch.device(device)
+        self.block_size = config.block_size
         self.free = list(range(rows))[::-1]
         # one row's attention by our kernel (a row of one new token, on a CPU), where it runs on this cache
         cpu = self.device.type == "cpu" and not fixed
@@ -126,7 +127,9 @@ class Fixed:
         """(rows, 1): each row's position; each row then sees the positions up to it (the attention's mask)."""
         self.at = self.starts + self.pos[:, None]  # (rows, heads): where each row's heads write their new key
         self.attention.prepare()
-        return self.pos[:, None]
+        # a row that does not decode in this step may stand at block_size (ended, or its window to be encoded
+        # again): it writes at that spare position, and its logits, which nobody reads, take the last embedding
+        return self.pos.clamp(max=self.slots.block_size - 1)[:, None]
 
     def attend(self, layer, q, k, v, heads):
         self.store(layer, k[:, :, 0], v[:, :, 0])
