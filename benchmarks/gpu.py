@@ -61,9 +61,16 @@ class Point:
     name: str
     figure: str
     verdict: str
+    shown: bool = dataclasses.field(default=False, compare=False)  # printed as it was measured
 
     def line(self):
         return f"{self.verdict:<13} {self.name}: {self.figure}"
+
+    def show(self):
+        """Print the line now: a command stopped at a lent GPU's time limit keeps the rows it measured."""
+        print(self.line(), flush=True)
+        self.shown = True
+        return self
 
 
 def judged(name, figure, ok, gpu):
@@ -152,7 +159,7 @@ def decode_levers(hf_dir, gpu, size):
     then the top kernels per decoded token at batch 1 of each lever, and of a 32-row step at the defaults. The
     engine runs its fixed step here on a CPU too (the CUDA way), so the quick form runs what a GPU would."""
     device, dtype, sized = size["device"], pick_dtype("auto", size["device"]), size["decode"]
-    points, tables = [], []
+    points = []
     for attention, compiled, ahead in DECODE_LEVERS:
         name = f"decoding lever: decode_attention={attention}, compile={compiled}, decode_ahead={ahead}"
         if (attention, compiled, ahead) not in sized["levers"]:
@@ -162,12 +169,11 @@ def decode_levers(hf_dir, gpu, size):
         many = decode_engine(hf_dir, device, dtype, sized["rows"], attention, compiled, ahead)
         rate_one, rate_many = decode_rate(one, 1, sized["steps"]), decode_rate(many, sized["rows"], sized["steps"])
         points.append(lever(name, f"batch 1: {rate_one:,.0f} tokens/s; {sized['rows']} rows: {rate_many:,.0f} "
-                                  f"tokens/s", gpu))
-        tables.append(decode_profile(one, 1, sized["steps"], f"batch 1, {dtype}, {name.split(': ')[1]}"))
+                                  f"tokens/s", gpu).show())
+        print(decode_profile(one, 1, sized["steps"], f"batch 1, {dtype}, {name.split(': ')[1]}"), flush=True)
         if (attention, compiled, ahead) == DECODE_LEVERS[0]:
-            tables.append(decode_profile(many, sized["rows"], sized["steps"],
-                                         f"{sized['rows']} rows, {dtype}, {name.split(': ')[1]}"))
-    print("\n".join(tables), flush=True)
+            print(decode_profile(many, sized["rows"], sized["steps"],
+                                 f"{sized['rows']} rows, {dtype}, {name.split(': ')[1]}"), flush=True)
     return points
 
 
@@ -253,7 +259,7 @@ def serving(hf_dir, gpu, size):
 def training_steps(gpu, size, step):
     """Muon's step against AdamW's on the GPU speedrun's model and GPT-2 124M's step (ms/iter, tokens/s, MFU), each
     as train.py runs it at its defaults; then the training levers a row each, and the top kernels of a step of
-    each model. step(argv, profile) is bench.py --mode=train's measurement (bench.StepFigures)."""
+    each model (printed as they come). step(argv, profile) is bench.py --mode=train's measurement (bench.StepFigures)."""
     measured = [f"--warmup={size['train']['warmup']}", f"--repeats={size['train']['repeats']}"]
     muon = step(training_args("speedrun model, muon", size, measured), profile=True)
     adamw = step(training_args("speedrun model, adamw", size, measured))
@@ -265,11 +271,12 @@ def training_steps(gpu, size, step):
               judged("GPT-2 124M training step (goal MFU >= 50 %)",
                      f"{big.seconds * 1e3:,.1f} ms/iter, {big.tokens / big.seconds:,.0f} tokens/s, {mfu_text}",
                      bool(big.mfu) and big.mfu >= 0.5, gpu)]
+    for p in points:
+        p.show()
     defaults = {"speedrun model, muon": muon, "speedrun model, adamw": adamw, "GPT-2 124M": big}
-    points += training_levers(gpu, size, step, defaults)
     for name in ("speedrun model, muon", "GPT-2 124M"):
         print(f"{name}, {defaults[name].kernels}", flush=True)
-    return points
+    return points + training_levers(gpu, size, step, defaults)
 
 
 # the training levers, a row each: (the model, at its defaults in training_steps, and the lever's settings); the
@@ -309,7 +316,7 @@ def training_levers(gpu, size, step, defaults):
             continue
         mfu = f", MFU {got.mfu:.1%}" if got.mfu else ""
         points.append(lever(name, f"{got.seconds * 1e3:,.1f} ms/iter{mfu}; at the defaults "
-                                  f"{base.seconds * 1e3:,.1f} ({got.seconds / base.seconds:.2f}x)", gpu))
+                                  f"{base.seconds * 1e3:,.1f} ({got.seconds / base.seconds:.2f}x)", gpu).show())
     return points
 
 
@@ -354,7 +361,8 @@ def bench_gpu(cfg, workdir, step, train_config):
         except Exception as e:  # noqa: BLE001 (whatever went wrong is the report's line)
             done = [Point(name, f"{type(e).__name__}: {' '.join(str(e).split())[-1500:]}", "FAIL")]
         for p in done:
-            print(p.line(), flush=True)
+            if not p.shown:
+                p.show()
         print(f"  ({name}: {time.perf_counter() - t0:.0f} s)", flush=True)
         points.extend(done)
 

@@ -614,6 +614,13 @@ def test_gpu_mode_runs_its_quick_form_on_a_cpu_and_prints_every_line(capsys, mon
     # on a CPU no goal is judged and no lever chooses: every figure is "not measured" but the one that holds anywhere
     assert [p.verdict for p in points] == ["not measured"] * 10 + ["PASS"] + ["not measured"] * 9, points
     assert out.startswith("machine: no GPU: device cpu")
+    # each line printed as it was measured, before the report repeats them (a command stopped at a lent GPU's time
+    # limit keeps what it measured)
+    measuring = out.split("; this command took")[0]
+    assert all(measuring.count(p.line()) == 1 for p in points), measuring
+    assert out.index(points[3].line()) < out.index("top kernels per decoded token, batch 1") < \
+        out.index(points[4].line())  # (a decoding lever's row, then its kernels, then the next lever's)
+    assert out.index(points[11].line()) < out.index("speedrun model, muon, top kernels") < out.index(points[13].line())
     table = re.findall(r"^\| (.+) \| (.+) \| (PASS|FAIL|not measured) \|$", out, re.M)
     assert [name for name, _, _ in table] == [p.name for p in points]
     measured = [figure for name, figure, verdict in table[1:] if verdict != "PASS" and "compile=True" not in name
