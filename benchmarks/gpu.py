@@ -32,6 +32,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -247,13 +248,48 @@ def serving(hf_dir, gpu, size):
         with serve.server(hf_dir, dtype, device, "--max_batch=1") as url:
             lone = serve.stream_rate(url, 1, tokens)[0]
     table = ", ".join(f"{c}: {r:,.0f}" for c, r in rates.items())
-    return [judged(f"serve.py {dtype}, streaming clients, tokens/s (goal 32 clients >= 15,000, 8 >= 6,000)", table,
+    return [*one_client_parts(hf_dir, device, dtype, tokens, gpu), judged(f"serve.py {dtype}, streaming clients, tokens/s (goal 32 clients >= 15,000, 8 >= 6,000)", table,
                    rates.get(32, 0) >= 15000 and rates.get(8, 0) >= 6000, gpu),
             judged("serve.py, one client (goal >= 1,500 tokens/s at the default max_batch)",
                    f"{rates[1]:,.0f} at max_batch 32, {lone:,.0f} at max_batch 1", rates[1] >= 1500, gpu),
             Point("serve.py, 8 seeded requests: each text the same at once as alone",
                   f"{'yes' if same else 'NO'} ({at_once:,.0f} tokens/s at once, {alone:,.0f} one at a time)",
                   "PASS" if same else "FAIL")]
+
+
+def one_client_parts(hf_dir, device, dtype, tokens, gpu):
+    """Where one client's tokens/s goes, before HTTP: the engine that serve.py builds (max_batch 32, and 1)
+    stepped in this thread as sample.py steps it, against in its own thread with a reader taking its events as
+    serve.py's streams do (STREAM_BACKLOG unread pause it); serve.py's rate beside them says what HTTP adds."""
+    from machinery.serving.openai_api import STREAM_BACKLOG
+
+    figures = []
+    for rows in (32, 1):
+        runner = serve.greedy_engine(hf_dir, device, dtype, max_batch=rows)[0]
+        inline = [one_request_rate(runner, tokens, None) for _ in range(2)][-1]  # (the first captures the graph)
+        runner.start()
+        try:
+            threaded = one_request_rate(runner, tokens, STREAM_BACKLOG)
+        finally:
+            runner.stop()
+        figures.append(f"max_batch {rows}: stepped here {inline:,.0f}, in its thread with a reader {threaded:,.0f}")
+    return [lever("serve.py's engine, one request, tokens/s", "; ".join(figures), gpu).show()]
+
+
+def one_request_rate(runner, tokens, backlog):
+    """tokens/s of one seeded request of tokens tokens: stepped in this thread (backlog None), or read here from the
+    engine's own thread (started) as its events arrive, at most backlog of them unread."""
+    arrived = threading.Event()
+    g = runner.submit(Request(serve.prompts(1, 12, 7)[0], max_tokens=tokens, temperature=1.0, seed=7),
+                      notify=arrived.set, max_backlog=backlog)
+    t0 = time.perf_counter()
+    if backlog is None:
+        runner.run([g])
+    while backlog is not None and not (g.done and not g.events):
+        arrived.wait(1)
+        arrived.clear()
+        g.take()
+    return tokens / (time.perf_counter() - t0)
 
 
 def training_steps(gpu, size, step):

@@ -586,7 +586,8 @@ def test_chat_mode_without_its_text_is_one_line(tmp_path):
 DECODE_LEVERS = [f"decoding lever: decode_attention={a}, compile={c}, decode_ahead={d}"
                  for a, c, d in (("full", False, False), ("full", False, True), ("flex", False, True),
                                  ("full", True, True), ("flex", True, True))]
-GPU_LINES = ["CUDA tests", "sample.py bfloat16, ", "sample.py float32, ", *DECODE_LEVERS, "serve.py ",
+GPU_LINES = ["CUDA tests", "sample.py bfloat16, ", "sample.py float32, ", *DECODE_LEVERS,
+             "serve.py's engine, one request", "serve.py ",
              "serve.py, one client", "serve.py, 8 seeded requests", "Muon's step against AdamW's",
              "GPT-2 124M training step", "training lever: speedrun model, muon, cuda_graph=False",
              "training lever: speedrun model, adamw, cuda_graph=False",
@@ -612,7 +613,7 @@ def test_gpu_mode_runs_its_quick_form_on_a_cpu_and_prints_every_line(capsys, mon
     out = capsys.readouterr().out
     assert len(points) == len(GPU_LINES) and all(p.name.startswith(n) for p, n in zip(points, GPU_LINES)), points
     # on a CPU no goal is judged and no lever chooses: every figure is "not measured" but the one that holds anywhere
-    assert [p.verdict for p in points] == ["not measured"] * 10 + ["PASS"] + ["not measured"] * 9, points
+    assert [p.verdict for p in points] == ["not measured"] * 11 + ["PASS"] + ["not measured"] * 9, points
     assert out.startswith("machine: no GPU: device cpu")
     # each line printed as it was measured, before the report repeats them (a command stopped at a lent GPU's time
     # limit keeps what it measured)
@@ -620,7 +621,7 @@ def test_gpu_mode_runs_its_quick_form_on_a_cpu_and_prints_every_line(capsys, mon
     assert all(measuring.count(p.line()) == 1 for p in points), measuring
     assert out.index(points[3].line()) < out.index("top kernels per decoded token, batch 1") < \
         out.index(points[4].line())  # (a decoding lever's row, then its kernels, then the next lever's)
-    assert out.index(points[11].line()) < out.index("speedrun model, muon, top kernels") < out.index(points[13].line())
+    assert out.index(points[12].line()) < out.index("speedrun model, muon, top kernels") < out.index(points[14].line())
     table = re.findall(r"^\| (.+) \| (.+) \| (PASS|FAIL|not measured) \|$", out, re.M)
     assert [name for name, _, _ in table] == [p.name for p in points]
     measured = [figure for name, figure, verdict in table[1:] if verdict != "PASS" and "compile=True" not in name
@@ -628,10 +629,12 @@ def test_gpu_mode_runs_its_quick_form_on_a_cpu_and_prints_every_line(capsys, mon
     assert all(figure.endswith("(CPU quick form)") for figure in measured), measured
     # each decoding lever's rates, each training lever's against its model's defaults
     assert all(re.search(r"batch 1: [\d,]+ tokens/s; 4 rows: [\d,]+ tokens/s", p.figure) for p in points[3:6])
+    assert re.fullmatch(r"max_batch 32: stepped here [\d,]+, in its thread with a reader [\d,]+; max_batch 1: "
+                        r"stepped here [\d,]+, in its thread with a reader [\d,]+ \(CPU quick form\)", points[8].figure)
     assert all(re.search(r"ms/iter; at the defaults [\d,.]+ \([\d.]+x\)", p.figure)
-               for p in points[13:15] + points[16:17] + points[18:19])
+               for p in points[14:16] + points[17:18] + points[19:20])
     # a kernel this CPU has not: train.py's one-line refusal
-    assert points[17].figure.startswith("train.py refuses it here: sdpa_backend=cudnn cannot run"), points[17]
+    assert points[18].figure.startswith("train.py refuses it here: sdpa_backend=cudnn cannot run"), points[18]
     # the profile sections: the top operators per decoded token (batch 1 of each lever measured, 4 rows at the
     # defaults) and of a training iteration of each model
     titles = re.findall(r"^(top kernels per decoded token, .+|.+, top kernels of one iteration): [\d,.]+ µs a "
@@ -678,6 +681,7 @@ def test_gpu_mode_judges_a_gpus_figures_by_the_goals_and_a_failed_part_does_not_
     monkeypatch.setattr(gpu, "decode_levers", lambda hf_dir, on_gpu, size: [gpu.lever("decoding lever: one",
                                                                                       "2,500 tokens/s", on_gpu)])
     monkeypatch.setattr(gpu.serve, "server", lambda *args: contextlib.nullcontext(args[3:]))
+    monkeypatch.setattr(gpu, "one_client_parts", lambda *args: [])
     clients = {1: 1600.0, 8: 6000.0, 32: 14000.0}
     monkeypatch.setattr(gpu.serve, "stream_rate",
                         lambda url, n, tokens: (clients[n] if not url else 700.0, [], []))
