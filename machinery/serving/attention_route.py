@@ -47,7 +47,7 @@ class AttentionMaps:
             except (UserError, UnicodeError) as e:  # too short or long, a character outside the vocabulary
                 raise APIError(400, f"text: {first_line(e)}", "text", "invalid_value") from None
         return {"object": "attention", "tokens": found.tokens, "ids": found.ids, "layers": found.layers,
-                "heads": found.heads, "max_tokens": attention_maps.MAX_TOKENS,
+                "heads": found.heads, "max_tokens": attention_maps.most_tokens(loaded.model.config),
                 "attention": [[rows(w[0, h]) for h in range(len(found.heads))] for w in found.weights],
                 "stats": {name: [[round(value, 4) for value in found.stats[name][layer, found.heads].tolist()]
                                  for layer in found.layers] for name in STATS}}
