@@ -82,7 +82,8 @@ def build(cfg):
                            prefix_cache_mb=cfg.prefix_cache_mb, calibration=CalibrationCache(),
                            decode_attention=cfg.decode_attention, ahead=cfg.decode_ahead)
     limits = openai_api.Limits(cfg.max_tokens, cfg.max_n, cfg.max_body)
-    server = openai_api.Server(runner, loaded.tokenizer, cfg.served_name, limits, cfg.api_key, loaded.data_meta.chat)
+    server = openai_api.Server(runner, loaded.tokenizer, cfg.served_name, limits, cfg.api_key, loaded.data_meta.chat,
+                               source=cfg)
     return server, loaded
 
 

@@ -631,7 +631,8 @@ def test_an_api_key_is_required_on_every_route_but_the_page_and_health(ckpt_dir)
     routes = [("GET", "/v1/models", None), ("GET", "/tokenizer_info", None),
               ("POST", "/v1/completions", {"prompt": "a", "max_tokens": 2}),
               ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}),
-              ("POST", "/tokenize", {"prompt": "a"}), ("POST", "/detokenize", {"tokens": [1]})]
+              ("POST", "/tokenize", {"prompt": "a"}), ("POST", "/detokenize", {"tokens": [1]}),
+              ("POST", "/v1/attention", {"text": "ab"})]
     with serving(ckpt_dir, "--api_key=s3cret") as guarded:
         for method, path, body in routes:
             for authorization in (None, "Bearer wrong", "Bearer s3cre", "Bearer s3cret2", "Basic s3cret", "s3cret"):
@@ -848,3 +849,160 @@ def test_bench_serve_clients_stream_what_the_server_generates(server):
         assert text == whole["choices"][0]["text"] and len(text) == 6
     assert len(first) == 2 and len(gaps) == 2 * 5 and min(first + gaps) > 0 and rate > 0
     assert bench_serve.percentile([5, 1, 4, 2, 3], 50) == 3 and bench_serve.percentile([5, 1, 4, 2, 3], 99) == 5
+
+
+# ---------------------------------------------------------------------- what the heads look at: /v1/attention
+
+
+def attention_by_hand(ckpt_dir, ids):
+    """Every layer's (n_head, T, T) weights for ids, in float64: softmax(q k^T / sqrt(head_size)) under the causal mask,
+    q and k taken from each block's input by its LayerNorm and q/k/v projection; the block's output by its own
+    forward (the fused path)."""
+    model = checkpoint.load(str(ckpt_dir / checkpoint.BEST)).build_model().eval().double()
+    T, H = len(ids), model.config.n_head
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    with torch.no_grad():
+        x = model.tok_emb(torch.tensor(ids)) + model.pos_emb(torch.arange(T))
+        weights = []
+        for block in model.blocks:
+            q, k, _ = block.attn.qkv(block.ln1(x)).split(model.config.n_embd, dim=-1)
+            q, k = (t.view(T, H, -1).transpose(0, 1) for t in (q, k))  # (H, T, head_size)
+            scores = q @ k.transpose(1, 2) / q.size(-1) ** 0.5
+            weights.append(scores.masked_fill(~causal, float("-inf")).softmax(-1))
+            x = block(x[None])[0]
+    return weights
+
+
+def square(rows):
+    """The route's rows (row i: i + 1 weights) as a (T, T) tensor, zero above the diagonal."""
+    w = torch.zeros(len(rows), len(rows), dtype=torch.float64)
+    for i, row in enumerate(rows):
+        w[i, :len(row)] = torch.tensor(row, dtype=torch.float64)
+    return w
+
+
+ROW_SUM_TOL = 1e-3  # the answer's weights have 4 significant digits (each within 5e-4 of itself), under 1e-6 are 0
+
+
+def test_the_attention_route_gives_each_heads_causal_softmax_as_computed_by_hand(server, ckpt_dir):
+    text = "KING RICHARD: my lord"
+    r = post(server, "/v1/attention", {"text": text})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    ids = server.tokenizer.encode(text)
+    assert answer["ids"] == ids and answer["tokens"] == [c if c != " " else "␣" for c in text]
+    assert answer["layers"] == [0, 1] and answer["heads"] == [0, 1] and answer["max_tokens"] == 64  # (block_size)
+    expected = attention_by_hand(ckpt_dir, ids)
+    for layer, heads in enumerate(answer["attention"]):
+        assert len(heads) == 2
+        for head, rows in enumerate(heads):
+            assert [len(row) for row in rows] == list(range(1, len(ids) + 1))  # nothing above the diagonal is sent
+            w = square(rows)
+            torch.testing.assert_close(w.sum(-1), torch.ones(len(ids), dtype=torch.float64), atol=ROW_SUM_TOL, rtol=0)
+            torch.testing.assert_close(w, expected[layer][head], atol=1e-6, rtol=5e-4)
+            by_hand = expected[layer][head]  # the statistics, from the weights computed here
+            i = torch.arange(1, len(ids))
+            for name, value in (("previous", by_hand[i, i - 1].mean()), ("first", by_hand[1:, 0].mean()),
+                                ("self", by_hand[i, i].mean())):
+                assert answer["stats"][name][layer][head] == pytest.approx(value.item(), abs=1e-4), name
+    one = post(server, "/v1/attention", {"text": text, "layers": [1], "heads": [1]}).json()
+    assert (one["layers"], one["heads"]) == ([1], [1]) and one["attention"] == [[answer["attention"][1][1]]]
+    assert one["stats"]["induction"] == [[answer["stats"]["induction"][1][1]]]
+
+
+@pytest.mark.parametrize("sent, param, code", [
+    ({"text": "a" * 65}, "text", "invalid_value"),  # over the model's block_size (64), under the cap (128)
+    ({"text": ""}, "text", "invalid_value"),
+    ({"text": "a"}, "text", "invalid_value"),  # one token attends to itself alone: no map to draw
+    ({"text": "日本"}, "text", "invalid_value"),  # outside a character model's vocabulary
+    ({}, "text", "missing"),
+    ({"text": ["a"]}, "text", "invalid_type"),
+    ({"text": "KING", "layers": [2]}, "layers", "invalid_value"),
+    ({"text": "KING", "layers": []}, "layers", "invalid_value"),
+    ({"text": "KING", "heads": [0, 0]}, "heads", "invalid_value"),
+    ({"text": "KING", "heads": [True]}, "heads", "invalid_value"),
+    ({"text": "KING", "heads": "0"}, "heads", "invalid_type"),
+])
+def test_the_attention_route_refuses_bad_texts_layers_and_heads_and_serves_on(server, sent, param, code):
+    r = post(server, "/v1/attention", sent)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and (error["param"], error["code"]) == (param, code)
+    assert "\n" not in error["message"]
+    if sent.get("text") in ("", "a" * 65):  # the length refused names the cap
+        assert "at most 128" in error["message"]
+    assert post(server, "/v1/attention", {"text": "KING"}).status_code == 200
+    assert_serves(server)
+
+
+def test_the_attention_route_never_touches_the_engines_model_while_it_decodes(server):
+    """A greedy stream's text is the same with the route answering beside it, and no Head of the engine's model
+    ever takes the explicit path (keep_weights set there would have the engine's rows take it too): the route reads
+    its own copy of the model."""
+    prompt = dict(model=NAME, prompt="ROMEO:", max_tokens=60, temperature=0)
+    alone = client(server).completions.create(**prompt).choices[0].text
+    heads, explicit = [b.attn.heads for b in server.engine.model.blocks], []
+    for head in heads:  # (an instance attribute: this test's only)
+        head.explicit = lambda *args, head=head, **kwargs: explicit.append(head) or type(head).explicit(head, *args,
+                                                                                                         **kwargs)
+    beside = []
+    thread = threading.Thread(target=lambda: beside.append(client(server).completions.create(**prompt)))
+    try:
+        thread.start()
+        while thread.is_alive():
+            assert post(server, "/v1/attention", {"text": "KING RICHARD"}).status_code == 200
+        thread.join()
+    finally:
+        for head in heads:
+            del head.explicit
+    assert beside[0].choices[0].text == alone and explicit == []
+
+
+@pytest.mark.parametrize("which, text", [("server", "KING RICHARD: my lord"), ("chat_server", "床前明月光，疑是地上霜。")],
+                         ids=["english", "chinese"])
+def test_the_web_page_draws_every_heads_attention_enlarges_one_and_hovering_a_token_shows_its_row(request, browser,
+                                                                                                  which, text):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    served = request.getfixturevalue(which)
+    config = served.engine.model.config
+    answer = post(served, "/v1/attention", {"text": text}).json()  # what the page is to show
+    browser.get(served.url + "/")
+    wait = WebDriverWait(browser, 30)
+    browser.find_element(By.ID, "tab-attention").click()
+    assert not browser.find_element(By.ID, "prompt").is_displayed()
+    box = browser.find_element(By.ID, "attn-text")
+    box.clear()
+    box.send_keys(text)
+    browser.find_element(By.ID, "attn-run").click()
+    maps = lambda b: b.find_elements(By.CSS_SELECTOR, "#attn-grid canvas.heatmap")  # noqa: E731
+    wait.until(lambda b: len(maps(b)) == config.n_layer * config.n_head, "a heatmap a head")
+    drawn = browser.execute_script(  # each map has dark blue pixels (a row's largest weight), not only white and grey
+        "return [...arguments[0]].map((c) => c.getContext('2d').getImageData(0, 0, c.width, c.height).data"
+        ".some((v, i) => i % 4 === 0 && v < 50))", maps(browser))
+    assert drawn == [True] * len(drawn) and maps(browser)[0].get_attribute("width") == str(len(answer["tokens"]))
+    layer, head = config.n_layer - 1, config.n_head - 1
+    [target] = [m for m in maps(browser) if (m.get_attribute("data-layer"), m.get_attribute("data-head"))
+                == (str(layer), str(head))]
+    target.click()
+    wait.until(lambda b: b.find_element(By.ID, "attn-big").is_displayed(), "the enlarged head")
+    labels = lambda axis: [e.get_attribute("textContent") for e in browser.find_elements(By.CSS_SELECTOR,  # noqa: E731
+                                                                                          f"#{axis} .token")]
+    assert labels("attn-rows") == labels("attn-cols") == answer["tokens"]
+    assert not any("\ufffd" in label for label in answer["tokens"])
+    i = len(answer["tokens"]) - 1
+    row = answer["attention"][layer][head][i]
+    ActionChains(browser).move_to_element(browser.find_elements(By.CSS_SELECTOR, "#attn-rows .token")[i]).perform()
+    focus = lambda b: b.find_element(By.ID, "attn-focus").text  # noqa: E731
+    wait.until(lambda b: f"(position {i}) attends to:" in focus(b), "what the hovered token attends to")
+    assert f"({row.index(max(row))}) {max(row):.3f}" in focus(browser)
+    assert "on" in browser.find_elements(By.CSS_SELECTOR, "#attn-rows .token")[i].get_attribute("class")
+    box.clear()  # an empty text: the server's one-line error on the page, and the view works on
+    browser.find_element(By.ID, "attn-run").click()
+    wait.until(lambda b: b.find_element(By.ID, "attn-status").text.startswith("error 400: text:"), "the error")
+    box.send_keys(text)
+    browser.find_element(By.ID, "attn-run").click()
+    wait.until(lambda b: b.find_element(By.ID, "attn-status").text.startswith(f"{len(answer['tokens'])} tokens"),
+               "drawn again")

@@ -184,11 +184,16 @@ class Maps:
         return self.weights[self.layers.index(layer)][0, self.heads.index(head)]
 
 
+def most_tokens(config):
+    """The most tokens a text mapped by a model of config may have: MAX_TOKENS, or its block_size where shorter."""
+    return min(MAX_TOKENS, config.block_size)
+
+
 def maps(model, tokenizer, text, layers=None, heads=None):
     """The Maps of text (at most MAX_TOKENS tokens, and the model's block_size) for the layers and heads given as
     settings are (e.g. "0,2"; None: all); a one-line error for a text too short or too long, or a head not there."""
     ids = tokenizer.encode(text)
-    most = min(MAX_TOKENS, model.config.block_size)
+    most = most_tokens(model.config)
     if not 2 <= len(ids) <= most:
         raise UserError(f"the text is {len(ids)} tokens; the maps take 2 to {most} (at most {MAX_TOKENS}, so the grid "
                         f"stays readable, and the model's block_size {model.config.block_size}): "

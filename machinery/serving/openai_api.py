@@ -1,8 +1,8 @@
 """
 serve.py's HTTP API: the FastAPI application (create_app) and its routes, OpenAI's and vLLM's: GET / (the web page,
 chat.html beside this file: no CDN, works offline), /health (503 once the engine cannot serve), /metrics (the prefix
-cache's counters, Prometheus's format), /v1/models and /v1/models/{name}; POST /v1/completions and
-/v1/chat/completions; the tokenizer over HTTP as vLLM serves it (GET /tokenizer_info, POST /tokenize, /detokenize).
+cache's counters, Prometheus's format), /v1/models and /v1/models/{name}; POST /v1/completions,
+/v1/chat/completions and /v1/attention (attention_route.py); the tokenizer over HTTP as vLLM serves it (GET /tokenizer_info, POST /tokenize, /detokenize).
 Server: the state the routes share (the engine, the tokenizer, the limits), a request's prompt and the start of its
 choices on the engine. With an API key every route but / and /health needs it (401); a POST takes JSON only (415),
 its body within max_body (413: BodyLimit). README's serve.py section says what each route does.
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from machinery.data import chat
 from machinery.generation import talk
 from machinery.errors import UserError, first_line
+from machinery.serving import attention_route
 from machinery.serving.openai_requests import APIError, Requests, check_chat_fields, field, is_id, prompts_of, read_messages
 from machinery.serving.openai_responses import Choices, Completion, Waker, collect, completion_body, stream
 from machinery.generation.request import QueueFull, Stopped
@@ -41,11 +42,12 @@ class Limits:
 
 class Server:
     """The state the routes share: the engine, the tokenizer, the model's name and the limits; chat_format: the
-    chat format the model was tuned on (its data's, chat.py's TEMPLATE), or None for a base model."""
+    chat format the model was tuned on (its data's, chat.py's TEMPLATE), or None for a base model; source: the
+    loading.ModelSource the model was loaded from (the attention route loads its own copy from it), or None."""
 
-    def __init__(self, engine, tokenizer, name, limits, api_key=None, chat_format=None):
+    def __init__(self, engine, tokenizer, name, limits, api_key=None, chat_format=None, source=None):
         self.engine, self.tokenizer, self.name, self.limits, self.api_key = engine, tokenizer, name, limits, api_key
-        self.chat_format = chat_format
+        self.chat_format, self.source = chat_format, source
         self.block_size = engine.block_size
         self.waker = None  # (the Waker of the loop that serves; made at the first request)
 
@@ -149,6 +151,7 @@ def create_app(server):
 
     add_generation_routes(app, server)
     add_tokenizer_routes(app, server)
+    attention_route.add_route(app, server, body_of)
     return app
 
 
