@@ -2,7 +2,8 @@
 serve.py's HTTP API: the FastAPI application (create_app) and its routes, OpenAI's and vLLM's: GET / (the web page,
 chat.html beside this file: no CDN, works offline), /health (503 once the engine cannot serve), /metrics (the prefix
 cache's counters, Prometheus's format), /v1/models and /v1/models/{name}; POST /v1/completions,
-/v1/chat/completions and /v1/attention (attention_route.py); the tokenizer over HTTP as vLLM serves it (GET /tokenizer_info, POST /tokenize, /detokenize).
+/v1/chat/completions and /v1/attention (attention_route.py); the tokenizer over HTTP as vLLM serves it
+(GET /tokenizer_info, POST /tokenize, /detokenize).
 Server: the state the routes share (the engine, the tokenizer, the limits), a request's prompt and the start of its
 choices on the engine. With an API key every route but / and /health needs it (401); a POST takes JSON only (415),
 its body within max_body (413: BodyLimit). README's serve.py section says what each route does.
