@@ -22,7 +22,7 @@ served by `python serve.py --init_from=DIR` in a process of its own, on 127.0.0.
    eval.py --text in float32 and with --quantize=int8, and llama.cpp over the same windows in F32 and Q8_0;
 3. for each number of clients C: C streaming clients at once (asyncio + httpx), each asking for
    serve_tokens tokens (temperature 1, its own seed, a random prompt): the tokens/s of all of them
-   together, each client's time to its first token, and the gaps between its tokens (p50, p99);
+   together, each client's time to its first token, and the gaps between its chunks (p50, p99);
 4. 8 seeded requests one at a time, then the same 8 at once: whether each text is the same, and the
    ratio of their throughputs;
 5. a chat's time to its first token as the conversation grows: a one-token completion (greedy) after a
@@ -289,18 +289,22 @@ def bits_per_byte(cfg, workdir):
 
 
 async def client(http, url, prompt, seed, tokens):
-    """One streaming request; (its text, seconds to the first token, the gaps between its tokens, tokens)."""
+    """One streaming request; (its text, seconds to the first token, the gaps between its chunks (a chunk holds the
+    tokens that arrived together), its tokens as the stream's usage counts them)."""
     t0 = time.perf_counter()
-    stamps, text = [], ""
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 1.0, "seed": seed, "stream": True}
+    stamps, text, count = [], "", None
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 1.0, "seed": seed, "stream": True,
+            "stream_options": {"include_usage": True}}
     async with http.stream("POST", url, json=body, timeout=600) as r:
         async for line in r.aiter_lines():
-            if line.startswith("data: {"):  # (not the last chunk, which carries finish_reason and no text)
-                choice = json.loads(line[6:])["choices"][0]
-                if choice["finish_reason"] is None:
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["usage"] is not None:  # (the last chunk, which has no choice)
+                    count = chunk["usage"]["completion_tokens"]
+                elif chunk["choices"][0]["text"]:
                     stamps.append(time.perf_counter())
-                    text += choice["text"]
-    return text, stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], len(stamps)
+                    text += chunk["choices"][0]["text"]
+    return text, stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], count
 
 
 def prompts(count, prompt_len, seed):
@@ -310,7 +314,7 @@ def prompts(count, prompt_len, seed):
 
 async def load(url, requests, tokens):
     """The requests [(prompt, seed)] streamed at once: (texts, tokens/s of all together, first-token times,
-    gaps between tokens)."""
+    gaps between chunks)."""
     import httpx
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(requests) + 4)) as http:
@@ -352,7 +356,7 @@ def server(hf_dir, dtype, device, *settings):
 
 def stream_rate(url, clients, tokens, prompt_len=12):
     """clients streaming requests of tokens tokens each at once, seeded: (tokens/s of all together, first-token
-    times, gaps between tokens)."""
+    times, gaps between chunks)."""
     requests = list(zip(prompts(clients, prompt_len, clients), range(clients)))
     _, rate, first, gaps = asyncio.run(load(url, requests, tokens))
     return rate, first, gaps
