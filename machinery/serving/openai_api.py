@@ -6,7 +6,7 @@ cache's counters, Prometheus's format), /v1/models and /v1/models/{name}; POST /
 Server: the state the routes share (the engine, the tokenizer, the limits), a request's prompt and the start of its
 choices on the engine. With an API key every route but / and /health needs it (401); a POST takes JSON only (415),
 its body within max_body (413: BodyLimit). README's serve.py section says what each route does.
-Not owned: reading a request (openai_requests.py), the answers and streams (openai_responses.py), the chat formats
+Not owned: reading a request (openai_requests.py, openai_chat.py), the answers and streams (openai_responses.py), the chat formats
 (chat.py), generation (engine.py).
 """
 
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from machinery.data import chat
 from machinery.generation import talk
 from machinery.errors import UserError, first_line
-from machinery.serving.openai_requests import APIError, Requests, check_chat_fields, field, is_id, prompts_of, read_messages
+from machinery.serving.openai_chat import check_chat_fields, compile_grammar, read_format, read_messages
+from machinery.serving.openai_requests import APIError, Requests, field, is_id, prompts_of, refuse_response_format
 from machinery.serving.openai_responses import Choices, Completion, Waker, collect, completion_body, stream
 from machinery.generation.request import QueueFull, Stopped
 
@@ -251,6 +252,7 @@ def add_generation_routes(app, server):
         server.check_model(body)
         if "prompt" not in body:
             raise APIError(400, "prompt is required", "prompt", "missing")
+        refuse_response_format(body)
         requests = Requests(server, body)
         prompts = [server.prompt_ids(ids, "prompt") for ids in prompts_of(server, body["prompt"])]
         return await answer(server, request, prompts, requests, chat=False)
@@ -259,14 +261,27 @@ def add_generation_routes(app, server):
     async def chat_completions(request: HTTPRequest):
         body = await body_of(server, request)
         server.check_model(body)
-        logprobs = check_chat_fields(body)
-        if body.get("echo") not in (None, False):
-            raise APIError(400, "echo is not supported for chat completions", "echo", "unsupported")
-        # (chat's logprobs is true or false, not the completions' count that Requests reads)
-        requests = Requests(server, {k: v for k, v in body.items() if k != "logprobs"}, max_tokens=None)
-        requests.logprobs = logprobs
-        prompt = server.chat_prompt(body.get("messages"), requests)
+        requests, prompt = await chat_request(server, body)
         return await answer(server, request, [prompt], requests, chat=True)
+
+
+async def chat_request(server, body):
+    """(Requests, prompt ids) of a chat request: its settings, messages and the grammar its reply follows."""
+    logprobs = check_chat_fields(body)
+    if body.get("echo") not in (None, False):
+        raise APIError(400, "echo is not supported for chat completions", "echo", "unsupported")
+    # (chat's logprobs is true or false, not the completions' count that Requests reads)
+    requests = Requests(server, {k: v for k, v in body.items() if k != "logprobs"}, max_tokens=None)
+    requests.logprobs = logprobs
+    schema = read_format(body)
+    if schema is not None and requests.stop:
+        raise APIError(400, "stop cannot be combined with a JSON response_format: a stop text inside the JSON "
+                            "would cut it (the JSON ends by itself); send one or the other", "stop",
+                       "unsupported")
+    prompt = server.chat_prompt(body.get("messages"), requests)
+    if schema is not None:
+        requests.grammar = await compile_grammar(server.tokenizer, schema, "response_format")
+    return requests, prompt
 
 
 def add_tokenizer_routes(app, server):
