@@ -73,8 +73,12 @@ def test_chat_logprobs_bytes_of_a_bpe_token_that_splits_a_character_are_its_own(
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format", "invalid_schema"),
     ({"response_format": {"type": "json_object"}, "stop": "}"}, "stop", "unsupported"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported"),
-    ({"tool_choice": "auto"}, "tool_choice", "unsupported"),
+    ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools", "unsupported"),  # (functions only)
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "invalid_value"),
+    ({"tool_choice": "auto"}, "tool_choice", "invalid_value"),  # (without tools)
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, "tool_choice", "invalid_value"),
+    ({"messages": [{"role": "tool", "tool_call_id": "call_1", "content": "1"}]}, "messages", "invalid_value"),
     ({"functions": [{"name": "f"}]}, "functions", "unsupported"),
     ({"function_call": "auto"}, "function_call", "unsupported"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "unsupported"),

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from machinery.data import chat
 from machinery.generation import talk
 from machinery.errors import UserError, first_line
-from machinery.serving.openai_chat import check_chat_fields, compile_grammar, read_format, read_messages
+from machinery.serving.openai_chat import (check_chat_fields, compile_grammar, read_format, read_messages, read_tools,
+                                           reply_grammar)
 from machinery.serving.openai_requests import APIError, Requests, field, is_id, prompts_of, refuse_response_format
 from machinery.serving.openai_responses import Choices, Completion, Waker, collect, completion_body, stream
 from machinery.generation.request import QueueFull, Stopped
@@ -77,11 +78,11 @@ class Server:
                                 f"{param} has {len(ids)} tokens; shorten it", param, "context_length_exceeded")
         return ids
 
-    def chat_prompt(self, messages, requests):
-        """The prompt ids of a chat request's messages, the reply's stops added to its requests: a chat model's
-        own format, the reply ending at its end of turn; a base model's chat.BASE_TEMPLATE, the reply ending where a
-        next "User:" line would begin."""
-        messages = read_messages(messages)
+    def chat_prompt(self, messages, requests, tools=()):
+        """The prompt ids of a chat request's messages (and tools: chat.with_tools), the reply's stops added to its
+        requests: a chat model's own format, the reply ending at its end of turn; a base model's chat.BASE_TEMPLATE,
+        the reply ending where a next "User:" line would begin."""
+        messages = chat.with_tools(read_messages(messages), tools)
         if self.chat_format:
             ids, _ = chat.encode(self.tokenizer, messages, add_generation_prompt=True)
             requests.stop_tokens = talk.stop_tokens(self.tokenizer)
@@ -101,8 +102,8 @@ class Server:
             raise APIError(404, f"the model {model!r} does not exist; this server has {self.name!r}", "model",
                            "model_not_found")
 
-    def submit(self, requests, chat=False, stream=False):
-        """Start every choice on the engine; a Choices that follows them."""
+    def submit(self, requests, chat=False, stream=False, calls=False):
+        """Start every choice on the engine; a Choices that follows them (calls: a chat reply may call a tool)."""
         loop, wake = asyncio.get_running_loop(), asyncio.Event()
         if self.waker is None or self.waker.loop is not loop:
             self.waker = Waker(loop)
@@ -112,7 +113,7 @@ class Server:
             for i, request in enumerate(requests):
                 generation = self.engine.submit(request, notify=lambda: waker.wake(wake),
                                                 max_backlog=STREAM_BACKLOG if stream else None)
-                completions.append(Completion(self, generation, i, chat))
+                completions.append(Completion(self, generation, i, chat, calls))
         except (QueueFull, Stopped) as e:
             for c in completions:
                 c.generation.cancel()
@@ -199,7 +200,7 @@ async def answer(server, request, prompts, requests, chat):
     meanwhile: then the choices are cancelled, and nothing is sent)."""
     from fastapi.responses import StreamingResponse
 
-    choices = server.submit(requests.choices(prompts), chat, requests.stream)
+    choices = server.submit(requests.choices(prompts), chat, requests.stream, requests.calls)
     if requests.stream:
         return StreamingResponse(stream(server, choices, chat, requests.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -273,14 +274,12 @@ async def chat_request(server, body):
     # (chat's logprobs is true or false, not the completions' count that Requests reads)
     requests = Requests(server, {k: v for k, v in body.items() if k != "logprobs"}, max_tokens=None)
     requests.logprobs = logprobs
-    schema = read_format(body)
-    if schema is not None and requests.stop:
-        raise APIError(400, "stop cannot be combined with a JSON response_format: a stop text inside the JSON "
-                            "would cut it (the JSON ends by itself); send one or the other", "stop",
-                       "unsupported")
-    prompt = server.chat_prompt(body.get("messages"), requests)
-    if schema is not None:
-        requests.grammar = await compile_grammar(server.tokenizer, schema, "response_format")
+    tools, choice, callable = read_tools(body)
+    spec = reply_grammar(read_format(body), choice, callable, requests)
+    prompt = server.chat_prompt(body.get("messages"), requests, tools)
+    if spec is not None:
+        requests.grammar = await compile_grammar(server.tokenizer, *spec)
+    requests.calls = choice != "none"
     return requests, prompt
 
 

@@ -82,6 +82,7 @@ class Requests:
             if body.get(name) not in (None, neutral):
                 raise APIError(400, f"{name} is not supported by this server", name, "unsupported")
         self.grammar = None  # what the reply must follow (chat's response_format and tools: openai_chat.py)
+        self.calls = False  # whether a reply may call a tool (chat's tool_choice)
 
     def choices(self, prompts):
         """The engine Requests: for each prompt, n choices (choice i with seed + i)."""
