@@ -198,6 +198,8 @@ def test_tool_choice_auto_calls_or_talks_as_taught_and_a_tools_result_is_answere
     assert whole(talked.choices[0]) == ("Hi there!", None, "stop")
     answered = ask(server, CALLED, temperature=0, tools=TOOLS)
     assert whole(answered.choices[0]) == ("It is 21 C.", None, "stop")
+    named = ask(server, CALLED[:2] + [dict(CALLED[2], name="get_weather")], temperature=0, tools=TOOLS)
+    assert whole(named.choices[0]) == whole(answered.choices[0])  # (a result's name, as some clients send it)
     # the prompt, written out here by hand: the tools at the end of a system message, the call as the assistant's
     # compact JSON, the result a user message; each message between its two special tokens, after <|endoftext|>
     lines = [compact(f) for f in FUNCTIONS]
@@ -295,6 +297,7 @@ def function(parameters, name="f"):
                                                 "function": {"name": "f", "arguments": "{oops"}}])]},
      "messages", "invalid_value", "not JSON"),
     ({"messages": [dict(HELLO[0], tool_calls=[{"id": "c"}])]}, "messages", "unsupported", "tool_calls"),
+    ({"messages": CALLED[:2] + [dict(CALLED[2], name="add")]}, "messages", "unsupported", "name"),
 ])
 def test_bad_schemas_and_tools_are_400s_naming_them_and_the_server_still_answers(server, extra, param, code, says):
     with pytest.raises(openai.BadRequestError) as refused:

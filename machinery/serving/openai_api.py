@@ -274,8 +274,8 @@ async def chat_request(server, body):
     # (chat's logprobs is true or false, not the completions' count that Requests reads)
     requests = Requests(server, {k: v for k, v in body.items() if k != "logprobs"}, max_tokens=None)
     requests.logprobs = logprobs
-    tools, choice, callable = read_tools(body)
-    spec = reply_grammar(read_format(body), choice, callable, requests)
+    tools, choice, callables = read_tools(body)
+    spec = reply_grammar(read_format(body), choice, callables, requests)
     prompt = server.chat_prompt(body.get("messages"), requests, tools)
     if spec is not None:
         requests.grammar = await compile_grammar(server.tokenizer, *spec)

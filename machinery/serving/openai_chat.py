@@ -99,7 +99,7 @@ async def compile_grammar(tokenizer, schema, or_text, param):
 
 
 def read_tools(body):
-    """(tools, choice, callable) of a chat request: its functions [{name, description, parameters}] (shown to the
+    """(tools, choice, callables) of a chat request: its functions [{name, description, parameters}] (shown to the
     model), tool_choice ("none", "auto" or "required"; a function named: "required", it alone callable) and the
     [(name, parameters)] a reply may call. Without tools: ([], "none", [])."""
     tools = field(body, "tools", list, [], expect='a list of {"type": "function", "function": {...}}')
@@ -126,8 +126,8 @@ def read_tools(body):
     if choice != "none" and not functions:
         raise APIError(400, f"tool_choice {choice} needs tools; send tools, or leave tool_choice out", "tool_choice",
                        "invalid_value")
-    callable = [(f["name"], f["parameters"]) for f in functions if f["name"] in names] if choice != "none" else []
-    return functions, choice, callable
+    callables = [(f["name"], f["parameters"]) for f in functions if f["name"] in names] if choice != "none" else []
+    return functions, choice, callables
 
 
 def read_function(tool, i):
@@ -145,23 +145,23 @@ def read_function(tool, i):
     if extra := sorted(set(function) - FUNCTION_KEYS):
         raise APIError(400, f"{where}.function.{extra[0]} is not a field of OpenAI's functions", "tools",
                        "invalid_value")
-    parameters = function.get("parameters")
-    if not isinstance(parameters, (dict, type(None))) or not isinstance(function.get("description", ""), str) \
+    parameters, description = function.get("parameters"), function.get("description")
+    if not isinstance(parameters, (dict, type(None))) or not isinstance(description, (str, type(None))) \
             or function.get("strict") not in (None, True, False):
         raise APIError(400, f"{where}.function's parameters must be a JSON schema (an object), its description a "
                             f"string, its strict true or false", "tools", "invalid_value")
-    return {"name": function["name"], **({"description": function["description"]} if "description" in function
-                                        else {}), "parameters": NO_PARAMETERS if parameters is None else parameters}
+    return {"name": function["name"], **({"description": description} if description is not None else {}),
+            "parameters": NO_PARAMETERS if parameters is None else parameters}
 
 
-def reply_grammar(format, choice, callable, requests):
+def reply_grammar(format, choice, callables, requests):
     """(the JSON schema the reply follows, or_text, the field it comes from), or None for plain text: the calls of
-    callable for tool_choice required or auto (auto: or free text), else response_format's. Refused: both at once,
+    callables for tool_choice required or auto (auto: or free text), else response_format's. Refused: both at once,
     and stop texts with either (a stop text could cut the JSON)."""
     if choice != "none" and format is not None:
         raise APIError(400, "response_format JSON with tools is not supported: send tool_choice none, or leave "
                             "response_format out", "response_format", "unsupported")
-    spec = (chat.call_schema(callable), choice == "auto", "tools") if choice != "none" else \
+    spec = (chat.call_schema(callables), choice == "auto", "tools") if choice != "none" else \
         (format, False, "response_format") if format is not None else None
     if spec is not None and requests.stop:
         raise APIError(400, f"stop cannot be combined with {spec[2]}: a stop text inside the JSON would cut it (the "
@@ -235,7 +235,9 @@ def tool_result(m, i, content, called):
     if m["tool_call_id"] not in called:
         raise APIError(400, f"messages[{i}]: tool_call_id {json.dumps(m['tool_call_id'])[:80]} answers no earlier "
                             f"assistant message's tool call", "messages", "invalid_value")
-    if extra := sorted(k for k, v in m.items() if k not in ("role", "content", "tool_call_id") and v is not None):
+    name = called.get(m["tool_call_id"])  # (a name, as some clients send, must be the call's)
+    if extra := sorted(k for k, v in m.items() if k not in ("role", "content", "tool_call_id") and v is not None
+                       and not (k == "name" and v == name)):
         raise APIError(400, f"messages[{i}]: a tool message's {extra[0]} is not supported by this server", "messages",
                        "unsupported")
     return {"role": "tool", "name": called[m["tool_call_id"]], "content": content}
