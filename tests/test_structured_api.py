@@ -16,7 +16,7 @@ from conftest import teach_chat_model
 from machinery.data import chat
 from machinery.data.tokenizer import GPT2Tokenizer
 from machinery.serving.openai_responses import Reply
-from test_serve import TOL, client, reference_logprobs, serving
+from test_serve import TOL, bpe_ckpt_dir, client, reference_logprobs, serving  # noqa: F401
 from test_structured import SCHEMAS
 
 NAME = "tools"  # the served model's name: its out_dir's last part
@@ -148,6 +148,15 @@ def test_json_object_replies_are_objects_and_the_clients_parse_gives_a_pydantic_
         city = parsed.choices[0].message.parsed
         assert isinstance(city, City) and parsed.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(parsed.choices[0].message.content), City.model_json_schema())
+
+
+def test_a_base_models_json_follows_its_schema_too(bpe_ckpt_dir):  # noqa: F811
+    """A base model (GPT-2's BPE, never tuned to chat): its reply after chat.BASE_TEMPLATE's "Assistant:", ended by
+    <|endoftext|> where the JSON may end."""
+    with serving(bpe_ckpt_dir) as base:
+        answer = client(base).chat.completions.create(model="bpe", messages=HELLO, n=4, seed=3, temperature=1.0,
+                                                      max_tokens=40, response_format=schema_format(SCHEMAS[0]))
+    assert sum(assert_valid(whole(c), SCHEMAS[0]) for c in answer.choices) >= 2
 
 
 def test_max_tokens_cuts_the_json_and_the_call_with_length_streamed_and_not(server):
