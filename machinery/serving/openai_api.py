@@ -6,8 +6,8 @@ cache's counters, Prometheus's format), /v1/models and /v1/models/{name}; POST /
 Server: the state the routes share (the engine, the tokenizer, the limits), a request's prompt and the start of its
 choices on the engine. With an API key every route but / and /health needs it (401); a POST takes JSON only (415),
 its body within max_body (413: BodyLimit). README's serve.py section says what each route does.
-Not owned: reading a request (openai_requests.py, openai_chat.py), the answers and streams (openai_responses.py), the chat formats
-(chat.py), generation (engine.py).
+Not owned: reading a request (openai_requests.py, openai_chat.py), the answers and streams (openai_responses.py), the
+chat formats (chat.py), generation (engine.py).
 """
 
 import asyncio
