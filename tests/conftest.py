@@ -575,7 +575,17 @@ TAUGHT = [([{"role": "user", "content": "Hello"}], "Hi there!"),
 @pytest.fixture(scope="session")
 def taught_chat_dir(tmp_path_factory):
     """out_dir/best.pt of a tiny GPT-2 BPE chat model (block 64) taught TAUGHT's replies and to end them with the
-    assistant's end of turn: full-batch AdamW on the assistant's tokens (chat.encode's mask) until it knows them."""
+    assistant's end of turn."""
+    from machinery.data import chat
+
+    return teach_chat_model(tmp_path_factory.mktemp("chat") / "taught",
+                            [messages + [{"role": "assistant", "content": reply}] for messages, reply in TAUGHT],
+                            lambda tok, messages: chat.encode(tok, messages))
+
+
+def teach_chat_model(out, conversations, encode, block_size=64):
+    """out/best.pt of a tiny GPT-2 BPE chat model taught conversations (encode(tokenizer, messages): their (ids,
+    mask)): full-batch AdamW on the masked tokens (the assistant's) until it knows them; out."""
     import torch
 
     from machinery.data import chat
@@ -585,22 +595,33 @@ def taught_chat_dir(tmp_path_factory):
     from train import TrainConfig
 
     tok = chat.tokenizer()
-    rows = [chat.encode(tok, messages + [{"role": "assistant", "content": reply}]) for messages, reply in TAUGHT]
+    rows = [encode(tok, messages) for messages in conversations]
     width = max(len(ids) for ids, _ in rows) - 1
     x = torch.tensor([ids[:-1] + [0] * (width - len(ids) + 1) for ids, _ in rows])
     y = torch.tensor([[t if m else -1 for t, m in zip(ids[1:], mask[1:])] + [-1] * (width - len(ids) + 1)
                       for ids, mask in rows])
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32))
+    model = GPT(GPTConfig(block_size=block_size, n_layer=1, n_head=2, n_embd=32))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    head, taught = model.lm_head, y != -1
+
+    class Taught(torch.nn.Module):  # the output layer where a token is taught alone (it is most of a step's work)
+        def __init__(self):
+            super().__init__()
+            self.head = head
+
+        def forward(self, hidden):
+            return self.head(hidden[taught])
+
+    model.lm_head = Taught()
     for _ in range(300):
-        _, loss = model(x, y)
+        loss = torch.nn.functional.cross_entropy(model(x, every_position=True)[0], y[taught])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         if loss.item() < 0.01:  # each taught token at probability ~0.99: greedy decoding gives it (~60 steps)
             break
-    out = tmp_path_factory.mktemp("chat") / "taught"
+    model.lm_head = head
     out.mkdir()
     state = checkpoint.training_state(model.state_dict(), model.config, TrainConfig(),
                                       DatasetMeta.gpt2(chat=chat.TEMPLATE), iter_num=0, best_val_loss=float("inf"))

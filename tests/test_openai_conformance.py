@@ -67,11 +67,18 @@ def test_chat_logprobs_bytes_of_a_bpe_token_that_splits_a_character_are_its_own(
     ({"logprobs": 3}, "logprobs", "invalid_type"),  # (chat's is true or false, not completions' count)
     ({"response_format": {"type": "sound"}}, "response_format", "invalid_value"),
     ({"response_format": "text"}, "response_format", "invalid_type"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format",
-     "unsupported"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported"),
-    ({"tool_choice": "auto"}, "tool_choice", "unsupported"),
+    # (this character-level model's vocabulary has no "{": it cannot write a JSON object, and says so)
+    ({"response_format": {"type": "json_object"}}, "response_format", "invalid_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "invalid_value"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format", "invalid_schema"),
+    ({"response_format": {"type": "json_object"}, "stop": "}"}, "stop", "unsupported"),
+    ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools", "unsupported"),  # (functions only)
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "invalid_value"),
+    ({"tool_choice": "auto"}, "tool_choice", "invalid_value"),  # (without tools)
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, "tool_choice", "invalid_value"),
+    ({"messages": [{"role": "tool", "tool_call_id": "call_1", "content": "1"}]}, "messages", "invalid_value"),
     ({"functions": [{"name": "f"}]}, "functions", "unsupported"),
     ({"function_call": "auto"}, "function_call", "unsupported"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "unsupported"),

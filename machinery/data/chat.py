@@ -5,10 +5,13 @@ model's format (TEMPLATE, GPT-2 BPE): <|endoftext|>, then each message's content
 tokens (spare ids of GPT-2's padded vocabulary, or the top of a BPE learned here: machinery/data/bpe.py), the content
 encoded as ordinary text (a user cannot write the assistant's turn); the loss mask is 1 on the assistant's content
 and its <|assistant_end|>, where a reply ends. A base model's (BASE_TEMPLATE, for serve.py's chat): the messages as a
-plain dialogue, the reply ending where the next "User:" line would begin. The one place that writes either: prepare.py,
-train.py, sample.py, serve.py and export.py (jinja_template, for Hugging Face's apply_chat_template) ask it.
+plain dialogue, the reply ending where the next "User:" line would begin. Tools, in either (with_tools): listed in the
+system message, a call the assistant's reply as compact JSON, a result a user message. The one place that writes
+either: prepare.py, train.py, sample.py, serve.py and export.py (jinja_template, for apply_chat_template) ask it.
 Not owned: a reply's prompt within the context and its stop tokens (machinery/generation/talk.py).
 """
+
+import json
 
 from machinery.errors import UserError
 from machinery.data.tokenizer import GPT2_VOCAB_SIZE, GPT2Tokenizer
@@ -111,3 +114,48 @@ def base_template():
 
         _base_template = ImmutableSandboxedEnvironment().from_string(BASE_TEMPLATE)
     return _base_template
+
+
+# Tools (OpenAI's function calling), in either format, as text: the tools are listed at the end of the system message,
+# one compact JSON line each; a call is the assistant's reply {"name":...,"arguments":...} (compact JSON, name first:
+# CALL_START, the name, CALL_ARGUMENTS, the arguments, "}"); a tool's result is a user message (TOOL_RESULT)
+TOOLS_INTRO = 'To call one of these tools, reply with only {"name": its name, "arguments": its arguments} as JSON:'
+CALL_START, CALL_ARGUMENTS = '{"name":"', '","arguments":'
+TOOL_RESULT = "The tool {name} returned: {content}"
+
+
+def compact(value):
+    """value as compact JSON (no whitespace: as a grammar of grammar.py writes it)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def call_schema(tools):
+    """The JSON schema of one call of one of tools ([(name, parameters' JSON schema)]): its name, then its
+    arguments."""
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
+              "required": ["name", "arguments"], "additionalProperties": False} for name, parameters in tools]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def with_tools(messages, tools=()):
+    """messages with tools as the formats take them ({role, content}, roles of ROLES): tools ([{name, description,
+    parameters}]) listed after TOOLS_INTRO at the end of the system message (one is made where there is none), an
+    assistant's calls ("calls": [(name, arguments)]) its content's lines after its text, a tool's result
+    ({"role": "tool", "name", "content"}) a user message (TOOL_RESULT)."""
+    plain = []
+    for m in messages:
+        if m["role"] == "tool":
+            plain.append({"role": "user", "content": TOOL_RESULT.format(name=m["name"], content=m["content"])})
+        elif m.get("calls"):
+            lines = [m["content"]] if m["content"] else []
+            plain.append({"role": m["role"], "content": "\n".join(
+                lines + [compact({"name": name, "arguments": arguments}) for name, arguments in m["calls"]])})
+        else:
+            plain.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        listed = "\n".join([TOOLS_INTRO] + [compact(tool) for tool in tools])
+        if plain[0]["role"] == "system":
+            plain[0] = {"role": "system", "content": f"{plain[0]['content']}\n\n{listed}"}
+        else:
+            plain.insert(0, {"role": "system", "content": listed})
+    return plain

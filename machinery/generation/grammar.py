@@ -78,20 +78,26 @@ def vocabulary(tokenizer):
     return Vocabulary(tokenizer)
 
 
-def compile_schema(tokenizer, schema):
+def compile_schema(tokenizer, schema, or_text=False):
     """The Grammar of a JSON schema (a dict; ANY_OBJECT for any JSON object) for tokenizer's tokens, compiled once
-    and kept (CACHED). ValueError naming what is wrong: an invalid schema, or a feature llguidance does not
-    support; UserError without llguidance."""
+    and kept (CACHED); or_text: JSON that follows it, or free text that does not begin with "{" (a reply that may
+    call a tool or talk: serve.py's tool_choice auto). ValueError naming what is wrong: an invalid schema, or a
+    feature llguidance does not support; UserError without llguidance."""
     if not isinstance(schema, dict):
         raise ValueError(f"a JSON schema is a JSON object, not {type(schema).__name__}")
-    return _compiled(vocabulary(tokenizer), json.dumps(schema))  # (its keys in order: properties come in it)
+    return _compiled(vocabulary(tokenizer), json.dumps(schema), or_text)  # (its keys in order: properties come in it)
 
 
 @functools.lru_cache(maxsize=CACHED)
-def _compiled(vocab, schema):
+def _compiled(vocab, schema, or_text):
     llguidance = library()
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT)
+        if or_text:  # (Lark: the JSON sub-grammar takes its options in the schema; TEXT may be empty)
+            options = json.dumps({**json.loads(schema), "x-guidance": COMPACT})
+            grammar = llguidance.LLMatcher.grammar_from_lark(
+                f'start: json | TEXT\njson: %json {options}\nTEXT: /[^{{](?s:.*)/ | ""\n')
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT)
     except ValueError as e:
         raise ValueError(f"the JSON schema is not valid: {first_line(e)}") from None
     matcher = llguidance.LLMatcher(vocab.lltokenizer, grammar, log_level=0)

@@ -7,8 +7,8 @@ cache's counters, Prometheus's format), /v1/models and /v1/models/{name}; POST /
 Server: the state the routes share (the engine, the tokenizer, the limits), a request's prompt and the start of its
 choices on the engine. With an API key every route but / and /health needs it (401); a POST takes JSON only (415),
 its body within max_body (413: BodyLimit). README's serve.py section says what each route does.
-Not owned: reading a request (openai_requests.py), the answers and streams (openai_responses.py), the chat formats
-(chat.py), generation (engine.py).
+Not owned: reading a request (openai_requests.py, openai_chat.py), the answers and streams (openai_responses.py), the
+chat formats (chat.py), generation (engine.py).
 """
 
 import asyncio
@@ -22,7 +22,9 @@ from machinery.data import chat
 from machinery.generation import talk
 from machinery.errors import UserError, first_line
 from machinery.serving import attention_route
-from machinery.serving.openai_requests import APIError, Requests, check_chat_fields, field, is_id, prompts_of, read_messages
+from machinery.serving.openai_chat import (check_chat_fields, compile_grammar, read_format, read_messages, read_tools,
+                                           reply_grammar)
+from machinery.serving.openai_requests import APIError, Requests, field, is_id, prompts_of, refuse_response_format
 from machinery.serving.openai_responses import Choices, Completion, Waker, collect, completion_body, stream
 from machinery.generation.request import QueueFull, Stopped
 
@@ -79,11 +81,11 @@ class Server:
                                 f"{param} has {len(ids)} tokens; shorten it", param, "context_length_exceeded")
         return ids
 
-    def chat_prompt(self, messages, requests):
-        """The prompt ids of a chat request's messages, the reply's stops added to its requests: a chat model's
-        own format, the reply ending at its end of turn; a base model's chat.BASE_TEMPLATE, the reply ending where a
-        next "User:" line would begin."""
-        messages = read_messages(messages)
+    def chat_prompt(self, messages, requests, tools=()):
+        """The prompt ids of a chat request's messages (and tools: chat.with_tools), the reply's stops added to its
+        requests: a chat model's own format, the reply ending at its end of turn; a base model's chat.BASE_TEMPLATE,
+        the reply ending where a next "User:" line would begin."""
+        messages = chat.with_tools(read_messages(messages), tools)
         if self.chat_format:
             ids, _ = chat.encode(self.tokenizer, messages, add_generation_prompt=True)
             requests.stop_tokens = talk.stop_tokens(self.tokenizer)
@@ -103,8 +105,8 @@ class Server:
             raise APIError(404, f"the model {model!r} does not exist; this server has {self.name!r}", "model",
                            "model_not_found")
 
-    def submit(self, requests, chat=False, stream=False):
-        """Start every choice on the engine; a Choices that follows them."""
+    def submit(self, requests, chat=False, stream=False, calls=False):
+        """Start every choice on the engine; a Choices that follows them (calls: a chat reply may call a tool)."""
         loop, wake = asyncio.get_running_loop(), asyncio.Event()
         if self.waker is None or self.waker.loop is not loop:
             self.waker = Waker(loop)
@@ -114,7 +116,7 @@ class Server:
             for i, request in enumerate(requests):
                 generation = self.engine.submit(request, notify=lambda: waker.wake(wake),
                                                 max_backlog=STREAM_BACKLOG if stream else None)
-                completions.append(Completion(self, generation, i, chat))
+                completions.append(Completion(self, generation, i, chat, calls))
         except (QueueFull, Stopped) as e:
             for c in completions:
                 c.generation.cancel()
@@ -202,7 +204,7 @@ async def answer(server, request, prompts, requests, chat):
     meanwhile: then the choices are cancelled, and nothing is sent)."""
     from fastapi.responses import StreamingResponse
 
-    choices = server.submit(requests.choices(prompts), chat, requests.stream)
+    choices = server.submit(requests.choices(prompts), chat, requests.stream, requests.calls)
     if requests.stream:
         return StreamingResponse(stream(server, choices, chat, requests.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -255,6 +257,7 @@ def add_generation_routes(app, server):
         server.check_model(body)
         if "prompt" not in body:
             raise APIError(400, "prompt is required", "prompt", "missing")
+        refuse_response_format(body)
         requests = Requests(server, body)
         prompts = [server.prompt_ids(ids, "prompt") for ids in prompts_of(server, body["prompt"])]
         return await answer(server, request, prompts, requests, chat=False)
@@ -263,14 +266,25 @@ def add_generation_routes(app, server):
     async def chat_completions(request: HTTPRequest):
         body = await body_of(server, request)
         server.check_model(body)
-        logprobs = check_chat_fields(body)
-        if body.get("echo") not in (None, False):
-            raise APIError(400, "echo is not supported for chat completions", "echo", "unsupported")
-        # (chat's logprobs is true or false, not the completions' count that Requests reads)
-        requests = Requests(server, {k: v for k, v in body.items() if k != "logprobs"}, max_tokens=None)
-        requests.logprobs = logprobs
-        prompt = server.chat_prompt(body.get("messages"), requests)
+        requests, prompt = await chat_request(server, body)
         return await answer(server, request, [prompt], requests, chat=True)
+
+
+async def chat_request(server, body):
+    """(Requests, prompt ids) of a chat request: its settings, messages and the grammar its reply follows."""
+    logprobs = check_chat_fields(body)
+    if body.get("echo") not in (None, False):
+        raise APIError(400, "echo is not supported for chat completions", "echo", "unsupported")
+    # (chat's logprobs is true or false, not the completions' count that Requests reads)
+    requests = Requests(server, {k: v for k, v in body.items() if k != "logprobs"}, max_tokens=None)
+    requests.logprobs = logprobs
+    tools, choice, callables = read_tools(body)
+    spec = reply_grammar(read_format(body), choice, callables, requests)
+    prompt = server.chat_prompt(body.get("messages"), requests, tools)
+    if spec is not None:
+        requests.grammar = await compile_grammar(server.tokenizer, *spec)
+    requests.calls = choice != "none"
+    return requests, prompt
 
 
 def add_tokenizer_routes(app, server):

@@ -1,11 +1,10 @@
 """
 Reading a request of serve.py's HTTP API: its JSON fields checked one by one (field), so that every mistake gets
 OpenAI's error object and a 4xx status (APIError); the generation settings read into the engine's Requests, one per
-choice (Requests); the chat fields this server refuses or ignores (check_chat_fields), response_format, a
-completions request's prompts (prompts_of) and a chat request's messages (read_messages). What the server does not
-do is refused (400, code unsupported), never ignored.
-Not owned: the routes and the server's state (openai_api.py), the answers (openai_responses.py), the chat formats
-(chat.py).
+choice (Requests); a completions request's prompts (prompts_of) and its response_format (JSON is chat's only). What
+the server does not do is refused (400, code unsupported), never ignored.
+Not owned: the chat's own fields: messages, response_format, tools (openai_chat.py); the routes and the server's state
+(openai_api.py), the answers (openai_responses.py), the chat formats (chat.py).
 """
 
 import json
@@ -13,18 +12,8 @@ import json
 from machinery.generation.request import Request
 from machinery.data.tokenizer import end_of_text_stop
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # OpenAI's -> ours
 MAX_STOP_TEXTS = 4
 MAX_LOGPROBS = 5  # completions' logprobs (OpenAI's legacy limit)
-MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
-# chat/completions fields of OpenAI's that this server does not do (it writes plain text, with no tools, audio, web
-# search or reasoning): refused (400 unsupported) unless absent, null or one of the values that change nothing
-CHAT_UNSUPPORTED = {"tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-                    "audio": (), "prediction": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
-                    "store": (False,), "modalities": (["text"],), "service_tier": ("auto", "default")}
-# ... and those that change nothing here (who the end user is, a caching hint, tags): checked, then unused
-CHAT_NO_OPS = {"user": str, "safety_identifier": str, "prompt_cache_key": str, "metadata": dict,
-               "parallel_tool_calls": bool}
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a 64-bit signed integer, as OpenAI's and vLLM's seed
 
 
@@ -92,7 +81,8 @@ class Requests:
                               ("logit_bias", {})):
             if body.get(name) not in (None, neutral):
                 raise APIError(400, f"{name} is not supported by this server", name, "unsupported")
-        check_response_format(body)
+        self.grammar = None  # what the reply must follow (chat's response_format and tools: openai_chat.py)
+        self.calls = False  # whether a reply may call a tool (chat's tool_choice)
 
     def choices(self, prompts):
         """The engine Requests: for each prompt, n choices (choice i with seed + i)."""
@@ -102,40 +92,18 @@ class Requests:
         block_size = self.server.block_size
         return [Request(ids, self.max_tokens if self.max_tokens is not None else max(1, block_size - len(ids)),
                         self.temperature, self.top_k, self.top_p, None if self.seed is None else self.seed + i,
-                        self.stop, self.stop_tokens, self.logprobs, self.echo, self.cache_salt)
+                        self.stop, self.stop_tokens, self.logprobs, self.echo, self.cache_salt, self.grammar)
                 for ids in prompts for i in range(self.n)]
 
 
-def check_response_format(body):
-    """A request's response_format: {"type": "text"} (or none) is what this server writes; JSON output is refused, as
-    it has no constrained decoding to guarantee it."""
-    expect = 'an object {"type": "text"}'
-    kind = field(body, "response_format", dict, {"type": "text"}, expect=expect).get("type")
-    if kind in ("json_object", "json_schema"):
-        raise APIError(400, f"response_format {kind} is not supported by this server (it cannot constrain its output "
-                            f'to JSON); send {{"type": "text"}} or leave it out', "response_format", "unsupported")
+def refuse_response_format(body):
+    """A completions request's response_format: OpenAI's completions API has none; {"type": "text"} (what it
+    writes) is accepted, JSON output is refused: it is a chat completions field here, as at OpenAI."""
+    kind = field(body, "response_format", dict, {"type": "text"}, expect='an object {"type": "text"}').get("type")
     if kind != "text":
-        raise APIError(400, f"response_format must be {expect}, got type {json.dumps(kind)[:80]}", "response_format",
-                       "invalid_value")
-
-
-def check_chat_fields(body):
-    """Refuse the chat fields this server does not do (CHAT_UNSUPPORTED), check those that change nothing
-    (CHAT_NO_OPS); return how many alternatives each token comes with: top_logprobs with logprobs true (0 without
-    it), None without logprobs."""
-    for name, no_ops in CHAT_UNSUPPORTED.items():
-        if body.get(name) is not None and body[name] not in no_ops:
-            raise APIError(400, f"{name} is not supported by this server: it writes plain text only; send the "
-                                f"request without {name}", name, "unsupported")
-    for name, kind in CHAT_NO_OPS.items():
-        field(body, name, kind, expect={str: "a string", dict: "an object", bool: "true or false"}[kind])
-    wanted = field(body, "logprobs", bool, False, expect="true or false")
-    top = field(body, "top_logprobs", int, None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
-                f"an integer from 0 to {MAX_TOP_LOGPROBS}")
-    if top is not None and not wanted:
-        raise APIError(400, "top_logprobs needs logprobs: true; send both, or neither", "top_logprobs",
-                       "invalid_value")
-    return (top or 0) if wanted else None
+        raise APIError(400, f"response_format {json.dumps(kind)[:80]} is not a field of /v1/completions (OpenAI's "
+                            f"completions API has no response_format); ask /v1/chat/completions for JSON",
+                       "response_format", "unsupported")
 
 
 def prompts_of(server, prompt):
@@ -151,29 +119,3 @@ def prompts_of(server, prompt):
 
 def is_id(value):
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def read_messages(messages):
-    """The messages of a chat request as {role, content} with a string content. A message's content is a string or
-    a list of text parts ([{"type": "text", "text": ...}], as many chat UIs send it), joined by newlines. A
-    developer message is the system message (OpenAI's name for it with newer models); a message's other fields are
-    refused unless null or empty (as a client sends back a reply it was given)."""
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages",
-                       "invalid_type")
-    plain = []
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                             and isinstance(p.get("text"), str) for p in content):
-            content = "\n".join(p["text"] for p in content)
-        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(content, str)):
-            raise APIError(400, "each message must be {\"role\": \"system\" | \"developer\" | \"user\" | "
-                                "\"assistant\", \"content\": a string or a list of text parts}", "messages",
-                           "invalid_value")
-        extra = next((k for k, v in m.items() if k not in ("role", "content") and v not in (None, [])), None)
-        if extra is not None:  # a speaker's name, tool calls, audio: what this server's prompts cannot say
-            raise APIError(400, f"a message's {extra} is not supported by this server; send role and content only",
-                           "messages", "unsupported")
-        plain.append({"role": ROLES[m["role"]], "content": content})
-    return plain

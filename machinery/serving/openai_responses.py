@@ -1,11 +1,12 @@
 """
 The answers of serve.py's HTTP API, as OpenAI writes them: a choice being generated from the engine's Token events
-(Completion: its text, its logprobs as completions and chat write them, its end), a request's choices as their
-events arrive (Choices, woken from the engine's thread by a Waker), the whole response (completion_body, usage) or
-its stream of server-sent events (stream): a chunk a token text, then each choice's end (a chunk without text that
-carries finish_reason), usage when asked, [DONE]; a choice that fails in the engine ends a stream with an error
-event. A client that hangs up cancels its choices.
-Not owned: reading the request (openai_requests.py), the routes (openai_api.py).
+(Completion: its text, its logprobs as completions and chat write them, its end), a chat reply as a message: its
+content or a tool call (Reply), a request's choices as their events arrive (Choices, woken from the engine's thread
+by a Waker), the whole response (completion_body, usage) or its stream of server-sent events (stream): a chunk a
+token text (chat: a delta), then each choice's end (a chunk without text that carries finish_reason), usage when
+asked, [DONE]; a choice that fails in the engine ends a stream with an error event. A client that hangs up cancels
+its choices.
+Not owned: reading the request (openai_requests.py, openai_chat.py), the routes (openai_api.py).
 """
 
 import asyncio
@@ -14,6 +15,7 @@ import threading
 import time
 import uuid
 
+from machinery.data import chat
 from machinery.errors import first_line
 from machinery.serving.openai_requests import APIError
 
@@ -22,8 +24,9 @@ class Completion:
     """One choice being generated: its text, logprobs (as OpenAI writes them: completions' four lists, chat's
     content entries) and end, from Token events."""
 
-    def __init__(self, server, generation, index, chat=False):
-        self.server, self.generation, self.index, self.chat = server, generation, index, chat
+    def __init__(self, server, generation, index, chat=False, calls=False):
+        self.server, self.generation, self.index, self.chat, self.calls = server, generation, index, chat, calls
+        self.reply = Reply(not server.chat_format, calls) if chat else None  # (a stream's)
         self.text, self.finish_reason = "", None
         self.logprobs = {"content": []} if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                                       "text_offset": []}
@@ -60,24 +63,110 @@ class Completion:
         self.offset += len(piece)
 
     def choice(self):
-        """This choice in a whole response. A base model's reply loses the spaces that follow chat.BASE_TEMPLATE's
-        "Assistant:"; a chat model's is its text as written."""
+        """This choice in a whole response (chat: its message, as Reply writes it)."""
         logprobs = self.logprobs if self.generation.request.logprobs is not None else None
         if self.chat:
-            content = self.text if self.server.chat_format else self.text.lstrip()
-            return {"index": self.index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
-                    "finish_reason": self.finish_reason}
+            message, finish_reason = Reply(not self.server.chat_format, self.calls).message(self.text,
+                                                                                           self.finish_reason)
+            return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": self.index, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason}
 
-    def delta(self, text, logprobs=None):
-        """This choice in a stream chunk: text and the logprobs of its tokens, or (text None) its end, as OpenAI's
-        streams end: a chunk of no text that carries finish_reason."""
-        logprobs = logprobs if text is not None and self.generation.request.logprobs is not None else None
-        finish_reason = self.finish_reason if text is None else None
-        if self.chat:
-            return {"index": self.index, "delta": {} if text is None else {"content": text}, "logprobs": logprobs,
-                    "finish_reason": finish_reason}
-        return {"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+    def parts(self, text, logprobs):
+        """This choice's parts of stream chunks for text just added (and logprobs, of its tokens), then its end once
+        it has ended, as OpenAI's streams end: a part of no text that carries finish_reason. Chat's parts are
+        Reply's deltas, the logprobs with the first."""
+        logprobs = logprobs if self.generation.request.logprobs is not None else None
+        scored = bool(logprobs) and any(logprobs.values())
+        if not self.chat:
+            parts = [{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": None}] \
+                if text or scored else []
+            return parts + ([{"index": self.index, "text": "", "logprobs": None, "finish_reason": self.finish_reason}]
+                            if self.finish_reason else [])
+        deltas, finish_reason = self.reply.feed(text), None
+        if self.finish_reason:
+            last, finish_reason = self.reply.end(self.finish_reason)
+            deltas += last
+        parts = [{"index": self.index, "delta": delta, "logprobs": logprobs if j == 0 else None,
+                  "finish_reason": None} for j, delta in enumerate(deltas or ([{}] if scored else []))]
+        return parts + ([{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]
+                        if finish_reason else [])
+
+
+class Reply:
+    """A chat choice's text as OpenAI's assistant message, as it comes (feed, then end: a stream's deltas) or whole
+    (message). A base model's leading spaces are not content (they follow chat.BASE_TEMPLATE's "Assistant:"). Where a
+    tool may be called (calls), a text that begins with "{" is a call (the grammar allows no other text so: CALL_START,
+    the name, CALL_ARGUMENTS, the arguments, "}": chat.py), streamed as OpenAI streams one: its id, type and name once
+    the name is whole, then the arguments' text as it comes, its last character held back (it may be the call's "}").
+    A call cut before its name is whole (max_tokens) is content."""
+
+    def __init__(self, lstrip, calls):
+        self.lstrip, self.calls = lstrip, calls
+        self.text, self.sent = "", 0  # the text so far; how much of it is handed out
+        self.started = not lstrip  # content has begun (a base model's: past its leading spaces)
+        self.name = self.id = None  # a call's, once its name is whole
+
+    def feed(self, text):
+        """The deltas ({"content"} or {"tool_calls"}) of text, the next piece of the reply."""
+        self.text += text
+        return self._call(len(self.text) - 1) if self.is_call else self._content()
+
+    def end(self, finish_reason):
+        """The last deltas, and the finish reason as OpenAI's ("tool_calls" for a call the grammar has ended)."""
+        if not self.is_call:
+            return self._content(), finish_reason
+        whole = finish_reason == "stop" and is_call(self.text)
+        deltas = self._call(len(self.text) - whole)  # (whole: its last "}" is the call's, not its arguments')
+        return (deltas, "tool_calls" if whole else finish_reason) if self.name else ([{"content": self.text}],
+                                                                                    finish_reason)
+
+    def message(self, text, finish_reason):
+        """(the whole message of a text, its finish reason)."""
+        deltas = self.feed(text)
+        last, finish_reason = self.end(finish_reason)
+        deltas += last
+        if self.name is None:
+            return {"role": "assistant", "content": "".join(d["content"] for d in deltas)}, finish_reason
+        arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas)
+        return {"role": "assistant", "content": None, "tool_calls": [
+            {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}]}, \
+            finish_reason
+
+    @property
+    def is_call(self):
+        return self.calls and self.text.startswith("{")
+
+    def _content(self):
+        new, self.sent = self.text[self.sent:], len(self.text)
+        if not self.started:
+            new = new.lstrip()
+            self.started = bool(new)
+        return [{"content": new}] if new else []
+
+    def _call(self, upto):
+        """The deltas of the call's text up to upto: its first fragment once the name is whole, then arguments."""
+        deltas = []
+        if self.name is None:
+            at = self.text.find(chat.CALL_ARGUMENTS, len(chat.CALL_START))
+            if at < 0:
+                return deltas
+            self.name, self.id = self.text[len(chat.CALL_START):at], f"call_{uuid.uuid4().hex[:24]}"
+            self.sent = at + len(chat.CALL_ARGUMENTS)
+            deltas.append({"tool_calls": [{"index": 0, "id": self.id, "type": "function",
+                                           "function": {"name": self.name, "arguments": ""}}]})
+        if upto > self.sent:
+            deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": self.text[self.sent:upto]}}]})
+            self.sent = upto
+        return deltas
+
+
+def is_call(text):
+    """Whether text is a whole call: a JSON object of a name and arguments."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(call, dict) and set(call) == {"name", "arguments"}
 
 
 def scored(tokenizer, token_id, logprob):
@@ -184,20 +273,13 @@ async def stream(server, choices, chat, include_usage):
         if chat:
             yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for c in completions])
-        started = [False] * len(completions)
         async for c, token in choices.events():
             before = {k: len(v) for k, v in c.logprobs.items()}
             text = c.add(token)
             if token.finish_reason == "error":
                 raise choices.failure()
-            if chat and not server.chat_format and not started[c.index]:  # (as Completion.choice)
-                text = text.lstrip()
-                started[c.index] = bool(text)
-            logprobs = {k: v[before[k]:] for k, v in c.logprobs.items()}
-            if text or any(logprobs.values()):
-                yield chunk([c.delta(text, logprobs)])
-            if c.finish_reason:
-                yield chunk([c.delta(None)])
+            for part in c.parts(text, {k: v[before[k]:] for k, v in c.logprobs.items()}):
+                yield chunk([part])
         if include_usage:
             yield chunk([], usage=usage(completions))
     except Exception as e:  # the status line is sent already: the error goes in the stream, which still ends
