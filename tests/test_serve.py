@@ -811,6 +811,38 @@ def test_the_web_page_holds_a_conversation_with_a_chat_model(chat_server, browse
     assert turns(browser) == ["Bye", "Goodbye."]
 
 
+def test_tokens_that_arrived_together_stream_as_one_chunk_and_the_text_is_the_whole_replys(ckpt_dir):
+    """A stream read less often than its tokens come sends the tokens that arrived together in one chunk (the
+    loop's work a token falls under load): here the engine, stepped in this thread, ends the request before the
+    stream is read, so its whole text and its 6 tokens' logprobs come in one chunk, then the end, the usage,
+    [DONE]; text and logprobs are those of the same request answered whole."""
+    from machinery.generation.request import Request
+
+    cfg = configurator.parse(serve.ServeConfig, [f"--out_dir={ckpt_dir}", "--device=cpu", "--dtype=float32"])
+    server, _ = serve.build(cfg)
+    ids = server.tokenizer.encode("ROMEO:")
+
+    async def read(stream):
+        choices = server.submit([Request(ids, max_tokens=6, temperature=0, logprobs=1)], stream=stream)
+        while not choices.completions[0].generation.done:
+            server.engine.step()
+        if not stream:
+            await openai_responses.collect(choices, None)
+            return openai_responses.completion_body(server, choices.completions, False)
+        return [piece async for piece in openai_responses.stream(server, choices, False, True)]
+
+    whole = asyncio.run(read(False))["choices"][0]
+    pieces = asyncio.run(read(True))
+    events = "".join(pieces).split("\n\n")
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events if e.startswith("data: {")]
+    assert events[-2:] == ["data: [DONE]", ""] and len(chunks) == 3  # the tokens, the end, the usage
+    text, end, used = chunks
+    assert text["choices"][0]["text"] == whole["text"] and len(whole["text"]) == 6
+    assert text["choices"][0]["logprobs"] == whole["logprobs"] and len(whole["logprobs"]["tokens"]) == 6
+    assert end["choices"][0]["finish_reason"] == "length" and used["usage"]["completion_tokens"] == 6
+    assert pieces[0].count("data: ") == 2  # (the tokens and the end: one write)
+
+
 def test_the_events_of_one_engine_step_wake_the_loop_once_and_every_one_is_set():
     """openai_responses.Waker: 32 requests' events set from another thread (as the engine's step emits a token for
     each) take one call into the loop; the next one, after the loop ran it, another."""

@@ -216,9 +216,11 @@ class Choices:
     def __init__(self, completions, wake):
         self.completions, self.wake = completions, wake
 
-    async def events(self, hung_up=None):
-        """(Completion, Token) as they arrive, until every choice has ended. hung_up: an async callable, asked
-        twice a second; when it answers True the choices are cancelled and this ends."""
+    async def arrivals(self, hung_up=None):
+        """The tokens as they arrive, a list of (Completion, its Tokens that arrived together) each time some have,
+        until every choice has ended: a stream sends each list as one write, and under load, when a stream is
+        read less often than its tokens come, in fewer and longer chunks (less work a token). hung_up: an async
+        callable, asked twice a second; when it answers True the choices are cancelled and this ends."""
         asked = time.monotonic()
         while not all(c.finish_reason for c in self.completions):
             if hung_up is not None and time.monotonic() - asked > 0.5:
@@ -227,10 +229,10 @@ class Choices:
                     return
                 asked = time.monotonic()
             self.wake.clear()  # (before taking: an event emitted after the take sets it again)
-            arrived = [(c, token) for c in self.completions for token in c.generation.take()]
-            for c, token in arrived:
-                yield c, token  # (the caller adds it to c before the loop asks whether every choice has ended)
-            if not arrived:
+            arrived = [(c, tokens) for c in self.completions if (tokens := c.generation.take())]
+            if arrived:
+                yield arrived  # (the caller adds them to their choices before the loop asks whether all have ended)
+            else:
                 try:
                     await asyncio.wait_for(self.wake.wait(), 0.5 if hung_up else None)
                 except asyncio.TimeoutError:
@@ -253,14 +255,16 @@ def response_id(chat):
 
 async def collect(choices, hung_up):
     """Wait until every choice has ended (or the client has hung up: then they are cancelled)."""
-    async for c, token in choices.events(hung_up):
-        c.add(token)
+    async for arrived in choices.arrivals(hung_up):
+        for c, tokens in arrived:
+            for token in tokens:
+                c.add(token)
 
 
 async def stream(server, choices, chat, include_usage):
-    """Server-sent events: a chunk per token text (or logprobs) of any choice as it arrives, then each
-    choice's end, then usage (when asked), then [DONE]; a choice that fails in the engine ends the stream with
-    an error event instead. A client that hangs up cancels every choice."""
+    """Server-sent events: a chunk of each choice's text (or logprobs) as its tokens arrive (those that arrived
+    together in one: Choices.arrivals), then each choice's end, then usage (when asked), then [DONE]; a choice that
+    fails in the engine ends the stream with an error event instead. A client that hangs up cancels every choice."""
     rid, created, completions = response_id(chat), int(time.time()), choices.completions
     kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -273,13 +277,18 @@ async def stream(server, choices, chat, include_usage):
         if chat:
             yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for c in completions])
-        async for c, token in choices.events():
-            before = {k: len(v) for k, v in c.logprobs.items()}
-            text = c.add(token)
-            if token.finish_reason == "error":
+        async for arrived in choices.arrivals():
+            sent = []
+            for c, tokens in arrived:
+                before = {k: len(v) for k, v in c.logprobs.items()}
+                text = "".join([c.add(token) for token in tokens])
+                if tokens[-1].finish_reason == "error":  # (an error ends its choice: its last token)
+                    break
+                sent += [chunk([part]) for part in c.parts(text, {k: v[before[k]:] for k, v in c.logprobs.items()})]
+            if sent:
+                yield "".join(sent)
+            if choices.failure() is not None:
                 raise choices.failure()
-            for part in c.parts(text, {k: v[before[k]:] for k, v in c.logprobs.items()}):
-                yield chunk([part])
         if include_usage:
             yield chunk([], usage=usage(completions))
     except Exception as e:  # the status line is sent already: the error goes in the stream, which still ends
