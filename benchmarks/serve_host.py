@@ -21,30 +21,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHARS = "".join(chr(c) for c in range(32, 97))  # 65 characters
 
 
-def stand_in_serve(argv):
-    """serve.py's main with GPT.forward stood in for: zeros logits for the last position of each row."""
-    import model
-    import serve
-
-    def forward(self, idx, targets=None, kv_cache=None, every_position=False):
-        return torch.zeros(idx.size(0), idx.size(1) if every_position else 1, self.config.vocab_size), None
-    model.GPT.forward = forward
-    serve.main(argv)
+def stand_in_forward(self, idx, targets=None, kv_cache=None, every_position=False):
+    """GPT.forward's stand-in in the server's process: zeros logits for the last position of each row, at once."""
+    return torch.zeros(idx.size(0), idx.size(1) if every_position else 1, self.config.vocab_size), None
 
 
-def checkpoint_dir(directory):
-    """A random character model's out_dir (best.pt)."""
+# serve.py run as its command is, with GPT.forward stood in for (the benchmarks import no command)
+SERVE = ("import runpy, sys, model; from benchmarks.serve_host import stand_in_forward; "
+         "model.GPT.forward = stand_in_forward; sys.argv[0] = 'serve.py'; runpy.run_path('serve.py', run_name='__main__')")
+
+
+def model_dir(directory):
+    """A random character model as a Hugging Face directory (meta.json holds its characters)."""
     from machinery.data.meta import DatasetMeta
     from machinery.data.tokenizer import CharTokenizer
-    from machinery.weights import checkpoint
+    from machinery.weights import convert
     from model import GPT, GPTConfig
-    from train import TrainConfig
 
-    tokenizer = CharTokenizer(CHARS)
-    net = GPT(GPTConfig(block_size=1024, vocab_size=tokenizer.vocab_size, n_layer=1, n_head=2, n_embd=32))
-    state = checkpoint.training_state(net.state_dict(), net.config, TrainConfig(), DatasetMeta.of(tokenizer),
-                                      iter_num=0, best_val_loss=float("inf"))
-    checkpoint.save(state, os.path.join(directory, checkpoint.BEST))
+    meta = DatasetMeta.of(CharTokenizer(CHARS))
+    config, tensors = convert.to_hf(GPT(GPTConfig(block_size=1024, vocab_size=len(CHARS), n_layer=1, n_head=2,
+                                                  n_embd=32, bias=True, gelu="tanh")), meta)
+    convert.write_hf(directory, config, tensors, meta)
     return directory
 
 
@@ -81,9 +78,8 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as directory:
         port = serve.free_port()
-        proc = subprocess.Popen([sys.executable, "-c", "import sys; from benchmarks.serve_host import stand_in_serve; "
-                                 "stand_in_serve(sys.argv[1:])", f"--out_dir={checkpoint_dir(directory)}",
-                                 "--device=cpu", "--dtype=float32", f"--port={port}"],
+        proc = subprocess.Popen([sys.executable, "-c", SERVE, f"--init_from={model_dir(directory)}", "--device=cpu",
+                                 "--dtype=float32", f"--port={port}"],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             for line in proc.stdout:
