@@ -39,3 +39,18 @@ def pytest_load_initial_conftests(early_config, parser, args):
         return
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores() // workers)))
     args[:] = ["-n", str(workers), "--dist", "worksteal", *args]
+
+
+# the files whose tests take longest (whole processes, torchrun, compiling), run first: a worker that finishes
+# takes the other's last tests, and a long one left for the end would make the suite wait for it alone
+FIRST = ("test_bench.py", "test_distributed.py", "test_conversations.py", "test_quantize.py", "test_gguf.py",
+         "test_serve.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The longest files' tests first (in FIRST's order), the others after, each file's own order kept."""
+    def rank(item):
+        name = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        return FIRST.index(name) if name in FIRST else len(FIRST)
+    items.sort(key=rank)
+
