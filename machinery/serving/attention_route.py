@@ -14,7 +14,7 @@ import torch
 
 from machinery.errors import UserError, first_line
 from machinery.generation import attention_maps, loading
-from machinery.serving.openai_requests import APIError, field, is_id
+from machinery.serving.openai_requests import APIError, field, is_id, required
 
 DIGITS = 4  # significant digits of a weight in the answer: small weights stay readable (a log scale shows them)
 SMALLEST = 1e-6  # weights under it are written 0: no colour scale of the page tells them from 0
@@ -81,9 +81,7 @@ def add_route(app, server, read_body):
     @app.post("/v1/attention")
     async def attention(request: HTTPRequest):
         body = await read_body(server, request)
-        text = field(body, "text", str, None, expect="a string")
-        if text is None:
-            raise APIError(400, "text is required", "text", "missing")
+        text = required(body, "text", str, "a string")
         config = server.engine.model.config
         layers, heads = indices(body, "layers", config.n_layer), indices(body, "heads", config.n_head)
         # (in a thread: the event loop goes on serving the streams meanwhile)

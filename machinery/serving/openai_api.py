@@ -24,7 +24,8 @@ from machinery.errors import UserError, first_line
 from machinery.serving import attention_route
 from machinery.serving.openai_chat import (check_chat_fields, compile_grammar, read_format, read_messages, read_tools,
                                            reply_grammar)
-from machinery.serving.openai_requests import APIError, Requests, field, is_id, prompts_of, refuse_response_format
+from machinery.serving.openai_requests import (APIError, Requests, field, is_id, prompts_of, refuse_response_format,
+                                               required)
 from machinery.serving.openai_responses import Choices, Completion, Waker, collect, completion_body, stream
 from machinery.generation.request import QueueFull, Stopped
 
@@ -306,18 +307,13 @@ def add_tokenizer_routes(app, server):
     async def tokenize(request: HTTPRequest):
         body = await body_of(server, request)
         field(body, "add_special_tokens", bool, True, expect="true or false")  # (no BOS here to add)
-        prompt = field(body, "prompt", str, None, expect="a string")
-        if prompt is None:
-            raise APIError(400, "prompt is required", "prompt", "missing")
-        tokens = server.encode(prompt, "prompt")
+        tokens = server.encode(required(body, "prompt", str, "a string"), "prompt")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": server.block_size}
 
     @app.post("/detokenize")
     async def detokenize(request: HTTPRequest):
         body = await body_of(server, request)
-        tokens = field(body, "tokens", list, None, expect="a list of token ids")
-        if tokens is None:
-            raise APIError(400, "tokens is required", "tokens", "missing")
+        tokens = required(body, "tokens", list, "a list of token ids")
         return {"prompt": server.tokenizer.decode(server.check_ids(tokens, "tokens"))}
 
 

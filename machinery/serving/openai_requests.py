@@ -41,6 +41,14 @@ def field(body, name, kinds, default=None, check=None, expect=""):
     return value
 
 
+def required(body, name, kinds, expect):
+    """body[name] as field reads it, which must be there (400, code missing, where absent or null)."""
+    value = field(body, name, kinds, expect=expect)
+    if value is None:
+        raise APIError(400, f"{name} is required", name, "missing")
+    return value
+
+
 class Requests:
     """Reads the generation settings of a request body into engine Requests, one per choice. max_tokens None
     (chat's default) generates up to the context: block_size minus the prompt's tokens."""
