@@ -48,6 +48,7 @@ from machinery.data.tokenizer import GPT2_VOCAB_SIZE
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_cuda_decoding.py", "tests/test_cuda_decisions.py"]
 PARTS = ("tests", "sample", "decode", "serve", "train", "speedrun")
+PROFILED_STEPS = 50  # decoding steps under the profiler a lever (a token's kernels are the same at each step)
 SPEEDRUN_SECONDS = 300  # a GPU speedrun pair (121.5 + 142.9 s on an H100 at 9a9f78c) and its start-ups
 # (decode_attention, compile, decode_ahead): the first is the engine before issue 57; the quick form leaves compile out
 DECODE_LEVERS = [("full", False, False), ("full", False, True), ("flex", False, True), ("full", True, True),
@@ -173,9 +174,10 @@ def decode_levers(hf_dir, gpu, size):
         rate_one, rate_many = decode_rate(one, 1, sized["steps"]), decode_rate(many, sized["rows"], sized["steps"])
         points.append(lever(name, f"batch 1: {rate_one:,.0f} tokens/s; {sized['rows']} rows: {rate_many:,.0f} "
                                   f"tokens/s", gpu).show())
-        print(decode_profile(one, 1, sized["steps"], f"batch 1, {dtype}, {name.split(': ')[1]}"), flush=True)
+        profiled = min(sized["steps"], PROFILED_STEPS)
+        print(decode_profile(one, 1, profiled, f"batch 1, {dtype}, {name.split(': ')[1]}"), flush=True)
         if (attention, compiled, ahead) == DECODE_LEVERS[0]:
-            print(decode_profile(many, sized["rows"], sized["steps"],
+            print(decode_profile(many, sized["rows"], profiled,
                                  f"{sized['rows']} rows, {dtype}, {name.split(': ')[1]}"), flush=True)
     return points
 
