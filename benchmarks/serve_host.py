@@ -28,7 +28,8 @@ def stand_in_forward(self, idx, targets=None, kv_cache=None, every_position=Fals
 
 # serve.py run as its command is, with GPT.forward stood in for (the benchmarks import no command)
 SERVE = ("import runpy, sys, model; from benchmarks.serve_host import stand_in_forward; "
-         "model.GPT.forward = stand_in_forward; sys.argv[0] = 'serve.py'; runpy.run_path('serve.py', run_name='__main__')")
+         "model.GPT.forward = stand_in_forward; sys.argv[0] = 'serve.py'; "
+         "runpy.run_path('serve.py', run_name='__main__')")
 
 
 def model_dir(directory):

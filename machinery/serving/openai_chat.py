@@ -23,7 +23,8 @@ MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
 # chat/completions fields of OpenAI's that this server does not do (the deprecated functions, audio, web search,
 # reasoning): refused (400 unsupported) unless absent, null or one of the values that change nothing
 CHAT_UNSUPPORTED = {"functions": ([],), "function_call": ("none",), "audio": (), "prediction": (),
-                    "web_search_options": (), "reasoning_effort": (), "verbosity": (), "store": (False,), "modalities": (["text"],), "service_tier": ("auto", "default")}
+                    "web_search_options": (), "reasoning_effort": (), "verbosity": (), "store": (False,),
+                    "modalities": (["text"],), "service_tier": ("auto", "default")}
 # ... and those that change nothing here (who the end user is, a caching hint, tags; parallel_tool_calls: a reply
 # holds at most one call, which true allows and false asks): checked, then unused
 CHAT_NO_OPS = {"user": str, "safety_identifier": str, "prompt_cache_key": str, "metadata": dict,
