@@ -2,8 +2,8 @@
 The answers of serve.py's HTTP API, as OpenAI writes them: a choice being generated from the engine's Token events
 (Completion: its text, its logprobs as completions and chat write them, its end), a chat reply as a message: its
 content or a tool call (Reply), a request's choices as their events arrive (Choices, woken from the engine's thread
-by a Waker), the whole response (completion_body, usage) or its stream of server-sent events (stream): a chunk a
-token text (chat: a delta), then each choice's end (a chunk without text that carries finish_reason), usage when
+by a Waker), the whole response (completion_body, usage) or its stream of server-sent events (stream): a chunk of
+the tokens that arrived together (chat: a delta), then each choice's end (a chunk without text that carries finish_reason), usage when
 asked, [DONE]; a choice that fails in the engine ends a stream with an error event. A client that hangs up cancels
 its choices.
 Not owned: reading the request (openai_requests.py, openai_chat.py), the routes (openai_api.py).
@@ -44,6 +44,10 @@ class Completion:
         self.text += added
         self.finish_reason = token.finish_reason
         return added
+
+    def extend(self, tokens):
+        """Take Tokens that arrived together; return the text they add."""
+        return "".join([self.add(token) for token in tokens])
 
     def score(self, token, request):
         """Add token's log-probability and its top alternatives. Chat's entries are the reply's tokens: an end of
@@ -257,8 +261,7 @@ async def collect(choices, hung_up):
     """Wait until every choice has ended (or the client has hung up: then they are cancelled)."""
     async for arrived in choices.arrivals(hung_up):
         for c, tokens in arrived:
-            for token in tokens:
-                c.add(token)
+            c.extend(tokens)
 
 
 async def stream(server, choices, chat, include_usage):
@@ -278,16 +281,17 @@ async def stream(server, choices, chat, include_usage):
             yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for c in completions])
         async for arrived in choices.arrivals():
-            sent = []
+            sent, failed = [], False
             for c, tokens in arrived:
                 before = {k: len(v) for k, v in c.logprobs.items()}
-                text = "".join([c.add(token) for token in tokens])
-                if tokens[-1].finish_reason == "error":  # (an error ends its choice: its last token)
+                text = c.extend(tokens)
+                failed = c.finish_reason == "error"  # (an error ends its choice: its last token)
+                if failed:
                     break
                 sent += [chunk([part]) for part in c.parts(text, {k: v[before[k]:] for k, v in c.logprobs.items()})]
             if sent:
                 yield "".join(sent)
-            if choices.failure() is not None:
+            if failed:
                 raise choices.failure()
         if include_usage:
             yield chunk([], usage=usage(completions))
