@@ -13,7 +13,8 @@ GPT-2 BPE.
 The samples are generated together, by the generation engine (machinery/generation/engine.py,
 the one serve.py uses: sample i draws with seed + i, and its text does not depend
 on the others); the first one is printed as it is produced (--stream), the others
-when they are done. A sample ends at --stop (a text of any length; the text is cut
+when they are done; stderr then says the decoding rate, after each sample's first two tokens
+(the prompt's pass, and the first step, which captures CUDA's graph). A sample ends at --stop (a text of any length; the text is cut
 where it begins), at <|endoftext|> for GPT-2 BPE models, or after max_new_tokens.
 
 A chat model (one finetuned on conversations: prepare.py chat) is talked to instead:
@@ -26,6 +27,7 @@ taken from the engine's prefix cache, --prefix_cache_mb); an empty line or Ctrl-
 """
 
 import sys
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -97,6 +99,9 @@ def encode(tokenizer, text, what):
         raise UserError(f"{what}: {e}") from None
 
 
+WARM_TOKENS = 2  # a sample's tokens before its decoding rate is timed: the prompt's pass, CUDA graph's capture
+
+
 def main(argv=None):
     cfg = configurator.parse(SampleConfig, argv, usage="python sample.py [--key=value ...]", extra_files_ok=False)
     cfg.validate()
@@ -154,13 +159,21 @@ def print_samples(cfg, runner, tokenizer, prompt, ids, schema=None):
                for i in range(cfg.num_samples)]
     if cfg.stream:
         print(prompt, end="", flush=True)
-    runner.run(samples, (lambda text: print(text, end="", flush=True)) if cfg.stream else None)
+    show = (lambda text: print(text, end="", flush=True)) if cfg.stream else None
+    # the prompt's pass, then the first decoding step (CUDA's graph captured): not timed
+    runner.run(samples, show, until=lambda: all(g.done or g.completion_tokens >= WARM_TOKENS for g in samples))
+    warm, t0 = sum(g.completion_tokens for g in samples), time.perf_counter()
+    runner.run(samples, show)
+    seconds, decoded = time.perf_counter() - t0, sum(g.completion_tokens for g in samples) - warm
     for i, sample in enumerate(samples):
         print("" if cfg.stream and i == 0 else prompt + sample.text.text)
         print("---------------")
     for i, sample in enumerate(samples):
         if sample.error:  # (a schema that the vocabulary cannot finish)
             print(f"note: sample {i + 1} ended early: {sample.error}", file=sys.stderr)
+    if decoded > 0:
+        print(f"decoded {decoded:,} tokens in {seconds:.3f} s: {decoded / seconds:,.1f} tokens/s (after each "
+              f"sample's first {WARM_TOKENS})", file=sys.stderr)
     cut = [str(i + 1) for i, sample in enumerate(samples) if schema is not None and sample.finish_reason == "length"]
     if cut:
         print(f"note: sample {', '.join(cut)} reached max_new_tokens before its JSON was complete", file=sys.stderr)

@@ -40,6 +40,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -60,7 +61,7 @@ from model import GPT
 
 READ_BYTES = 1 << 29  # (512 MiB: far beyond any cache)
 SAMPLE_START = "The meaning of life is"  # sample.py's prompt in the whole-process row
-SAMPLE_FEW = 20  # that row times runs of SAMPLE_FEW and SAMPLE_FEW + n new tokens: the difference is n tokens
+SAMPLE_FEW = 2  # sample.py's first tokens a sample, not in the rate it says (sample.WARM_TOKENS)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -177,27 +178,26 @@ def engine_greedy(hf_dir, device, dtype, prompt, n, quantize=None, compile=False
 
 def sample_command(hf_dir, device, dtype, n, repeats):
     """Greedy batch-1 tokens/s through the command, as a user runs it: `python sample.py --init_from=hf_dir
-    --num_samples=1 --temperature=0` (the rest at its defaults), a process a run; n tokens timed as the difference
-    of runs of SAMPLE_FEW and SAMPLE_FEW + n new tokens (start-up, loading and the CUDA graph's capture cancel),
-    the median of repeats pairs (NaN when that is not positive: n too few to outweigh the start-up's noise).
-    (tokens/s, the sample the longer run printed)."""
-    def run(tokens):
-        t0 = time.perf_counter()
+    --num_samples=1 --temperature=0` (the rest at its defaults), a process a run, asked for SAMPLE_FEW + n tokens;
+    the rate its stderr says for the n after its first SAMPLE_FEW (the prompt's pass, the CUDA graph's capture), the
+    median of repeats runs. (tokens/s, the sample it printed.)"""
+    def run():
         proc = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--init_from={hf_dir}",
                                f"--device={device}", f"--dtype={dtype}", "--num_samples=1", "--temperature=0",
-                               f"--max_new_tokens={tokens}", f"--start={SAMPLE_START}"],
+                               f"--max_new_tokens={SAMPLE_FEW + n}", f"--start={SAMPLE_START}"],
                               cwd=ROOT, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(f"sample.py failed: {proc.stderr[-2000:]}")
         if decode.EAGER_NOTE in proc.stderr:  # an eager figure is not the graph's
             raise RuntimeError(f"sample.py's CUDA graph was not captured: {proc.stderr[-2000:]}")
-        return time.perf_counter() - t0, proc.stdout
-    seconds = []
-    for _ in range(repeats):
-        (few, _), (more, out) = run(SAMPLE_FEW), run(SAMPLE_FEW + n)
-        seconds.append(more - few)
-    median = statistics.median(seconds)
-    return n / median if median > 0 else math.nan, out.removeprefix(SAMPLE_START).split("\n---------------\n")[0]
+        said = re.search(rf"^decoded ([\d,]+) tokens in \S+ s: ([\d,.]+) tokens/s \(after each sample's first "
+                         rf"{SAMPLE_FEW}\)$", proc.stderr, re.M)
+        if not said or int(said[1].replace(",", "")) != n:
+            raise RuntimeError(f"sample.py did not say it decoded {n} tokens after its first {SAMPLE_FEW}: "
+                               f"{proc.stderr[-2000:]}")
+        return float(said[2].replace(",", "")), proc.stdout
+    rates, out = zip(*(run() for _ in range(repeats)))
+    return statistics.median(rates), out[-1].removeprefix(SAMPLE_START).split("\n---------------\n")[0]
 
 
 def sample_text(hf_dir, device, dtype, n):
@@ -397,8 +397,8 @@ def bench_serve(cfg, workdir):
     rates[f"sample.py, whole process ({dtype})"] = (rate, weight_bytes(model, dtype))
     print_batch_one(rates, bandwidth)
     print(f"  sample.py: tokens {SAMPLE_FEW}-{SAMPLE_FEW + cfg.serve_tokens} of `sample.py --init_from=DIR "
-          f"--num_samples=1 --temperature=0 --start='{SAMPLE_START}'` (runs of {SAMPLE_FEW} and "
-          f"{SAMPLE_FEW + cfg.serve_tokens} new tokens, median of {cfg.repeats} pairs); its text the engine's "
+          f"--num_samples=1 --temperature=0 --start='{SAMPLE_START}'` (the rate it says on stderr, median of "
+          f"{cfg.repeats} processes); its text the engine's "
           f"greedy text: {'yes' if text == expected else 'NO'}", flush=True)
     bpb = bits_per_byte(cfg, workdir) if cfg.text else None
     with server(hf_dir, dtype, device) as url:

@@ -1,8 +1,10 @@
 """sample.py: stop texts, stop tokens, streaming, long prompts and bad prompts, on small random checkpoints."""
 
 import io
+import itertools
 import re
 import sys
+import types
 
 import pytest
 import torch
@@ -54,12 +56,15 @@ def run_sample(ckpt, *args, check=True):
 
 def notes(proc):
     """What sample.py wrote on stderr besides the line that says where it runs (hardware.describe), which it
-    writes once, before the samples."""
+    writes once, before the samples, and the decoding rate's, after them (when a sample had more than 2 tokens)."""
     lines = proc.stderr.splitlines(keepends=True)
     device = [line for line in lines if line.startswith("device ")]
     assert len(device) == 1 and re.fullmatch(r"device cpu \(.+ kind, dtype auto = .+; \d+ threads\), dtype \w+\n",
                                              device[0]), proc.stderr
-    return "".join(line for line in lines if line not in device)
+    rate = [line for line in lines if line.startswith("decoded ")]
+    assert len(rate) <= 1 and all(re.fullmatch(r"decoded [\d,]+ tokens in \d+\.\d{3} s: [\d,]+\.\d tokens/s "
+                                                r"\(after each sample's first 2\)\n", line) for line in rate), rate
+    return "".join(line for line in lines if line not in device + rate)
 
 
 def split_samples(stdout):
@@ -109,6 +114,20 @@ def test_sample_py_prints_the_first_sample_while_the_batch_is_generated(monkeypa
     assert len(printed) >= 12 and printed[-1][1] >= 23  # printed along the way, nearly to the end
     for text, tokens in printed:
         assert text == first[:len("KING") + tokens]
+
+
+def test_sample_py_says_its_decoding_rate_after_each_samples_first_two_tokens(char_ckpt, monkeypatch):
+    """stderr's last line: the tokens decoded after each sample's first two (the prompt's pass and the first
+    decoding step, where CUDA's graph is captured) and their rate, on sample.py's clock (stood in for: one
+    reading before them, one after, 2 s apart): 3 x (25 - 2) tokens."""
+    monkeypatch.setattr(sample, "time", types.SimpleNamespace(perf_counter=itertools.count(5, 2).__next__))
+    proc = run_sample(char_ckpt, "--start=KING", "--max_new_tokens=25", "--num_samples=3", "--seed=3")
+    assert proc.stderr.splitlines()[-1] == "decoded 69 tokens in 2.000 s: 34.5 tokens/s (after each sample's first 2)"
+    texts = split_samples(proc.stdout)  # a character model: a character a token
+    assert [len(t) - len("KING") for t in texts] == [25, 25, 25]
+    # two tokens a sample: nothing timed, no line
+    proc = run_sample(char_ckpt, "--start=KING", "--max_new_tokens=2", "--num_samples=2")
+    assert [len(t) for t in split_samples(proc.stdout)] == [6, 6] and notes(proc) == ""
 
 
 def test_a_multi_token_stop_text_cuts_each_sample_at_its_first_occurrence(char_ckpt):

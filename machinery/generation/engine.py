@@ -152,13 +152,14 @@ class Engine:
             print(f"engine: stopped by {self.failure}", file=sys.stderr, flush=True)
             self.abort_all("error", f"the server's generation engine failed ({self.failure})")
 
-    def run(self, generations, show=None):
-        """Step in this thread (no start()) until every one of generations is done; show(text), when given, gets
-        the first one's text piece by piece as it becomes final (sample.py's and talk.py's streaming)."""
+    def run(self, generations, show=None, until=None):
+        """Step in this thread (no start()) until every one of generations is done, or until() is true; show(text),
+        when given, gets the first one's text piece by piece as it becomes final (sample.py's and talk.py's
+        streaming)."""
         while True:
             while show and (token := generations[0].next_event(timeout=0)) is not None:
                 show(token.text)
-            if all(g.done for g in generations):
+            if all(g.done for g in generations) or (until is not None and until()):
                 return
             self.step()
 
