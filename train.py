@@ -233,9 +233,7 @@ class Trainer:
         stop = distributed.StopFlag(self.world.launcher)
         try:
             x, y = self.next_batch()
-            # a log line's time is the mean over the iterations since the last line, read after the device is done
-            # (a captured step runs ahead of the host: one step's host time says nothing about the device's)
-            t0, local_iter, since = time.time(), 0, 0
+            t0, local_iter, since = time.time(), 0, 0  # (since: iterations since t0, the last line's time)
             while True:
                 lr = set_schedule(self.optimizer, self.iter_num, cfg)
                 if eval_due(self.iter_num, local_iter, cfg):
@@ -252,10 +250,7 @@ class Trainer:
                 since += 1
                 logs = self.iter_num % cfg.log_interval == 0
                 if logs and self.world.is_master:
-                    lossf = self.step_loss(loss)  # (syncs with the device)
-                    t1 = time.time()
-                    self.log_iteration(lossf, (t1 - t0) / since, lr, local_iter)
-                    t0, since = t1, 0
+                    t0, since = self.log_iteration(loss, t0, since, lr, local_iter), 0
                 # saving never waits for an evaluation: every ckpt_interval steps, on a signal, and right after
                 # the last step (before the final evaluation, which could fail). Under torchrun, asking the other
                 # ranks about signals syncs with the device: only on steps that log (which sync anyway).
@@ -338,15 +333,14 @@ class Trainer:
         self.scaler.update()
         return loss
 
-    def step_loss(self, loss):
-        """The step's loss as a float (syncs with the device), a non-finite one refused first: the last micro-batch's
-        loss times the micro-steps, or a chat step's."""
+    def log_iteration(self, loss, t0, iters, lr, local_iter):
+        """The `iter N:` line, its time the mean of the iters iterations since t0, read once the device is done (a
+        captured step runs ahead of the host: one step's host time says nothing). Returns the time it read."""
         self.nonfinite.check()
-        return loss.item() * (self.accum if self.token_mean is None else 1)
-
-    def log_iteration(self, lossf, dt, lr, local_iter):
-        """The `iter N:` line: lossf, dt (seconds an iteration, the mean since the last line), MFU from the fifth
-        iteration of this process."""
+        # the last micro-batch's loss, or a chat step's (syncs with the device)
+        lossf = loss.item() * (self.accum if self.token_mean is None else 1)
+        t1 = time.time()
+        dt = (t1 - t0) / iters
         line = f"iter {self.iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, tok/s {self.tokens_per_iter / dt:,.0f}"
         if self.flops_peak and local_iter >= 5:  # skip the first iterations (compilation, warm-up)
             mfu = self.raw_model.estimate_mfu(self.cfg.batch_size * self.accum, dt, self.flops_peak)  # per device
@@ -355,6 +349,7 @@ class Trainer:
         self.log(line)
         self.metrics.record(self.iter_num, loss=lossf, lr=lr, tokens=self.iter_num * self.tokens_per_iter,
                             tokens_per_s=round(self.tokens_per_iter / dt))
+        return t1
 
     def estimate_loss(self):
         """The train and val losses now (split_losses), from the training batches' stream as nanoGPT's."""
