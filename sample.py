@@ -14,8 +14,9 @@ The samples are generated together, by the generation engine (machinery/generati
 the one serve.py uses: sample i draws with seed + i, and its text does not depend
 on the others); the first one is printed as it is produced (--stream), the others
 when they are done; stderr then says the decoding rate, after each sample's first two tokens
-(the prompt's pass, and the first step, which captures CUDA's graph). A sample ends at --stop (a text of any length; the text is cut
-where it begins), at <|endoftext|> for GPT-2 BPE models, or after max_new_tokens.
+(the prompt's pass, and the first step, which captures CUDA's graph). A sample ends at --stop
+(a text of any length; the text is cut where it begins), at <|endoftext|> for GPT-2 BPE
+models, or after max_new_tokens.
 
 A chat model (one finetuned on conversations: prepare.py chat) is talked to instead:
 
@@ -33,7 +34,7 @@ from typing import Optional
 
 import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
 from machinery import configurator
-from machinery.generation import engine, grammar, loading, packing, talk
+from machinery.generation import decode_attention, engine, grammar, loading, packing, talk
 from machinery.generation.calibration_cache import CalibrationCache
 from machinery.configurator import setting
 from machinery.errors import UserError, exit_without_teardown, run_main
@@ -119,8 +120,8 @@ def main(argv=None):
     print(describe(loaded.device, loaded.dtype), file=sys.stderr)  # (stdout is the samples' alone)
     runner = engine.Engine(model, tokenizer, loaded.device, max_batch=rows,
                            use_cache=cfg.use_cache, compile=cfg.compile, prefix_cache_mb=cfg.prefix_cache_mb,
-                           calibration=CalibrationCache(), decode_attention=cfg.decode_attention,
-                           ahead=cfg.decode_ahead)
+                           calibration=CalibrationCache(), ahead=cfg.decode_ahead,
+                           decode_attention=decode_attention.default(cfg.decode_attention, loaded.device, False))
     if cfg.chat:
         talk.converse(cfg, runner, tokenizer)
     else:

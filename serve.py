@@ -28,7 +28,7 @@ from typing import Optional
 
 import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
 from machinery import configurator
-from machinery.generation import engine, loading, packing
+from machinery.generation import decode_attention, engine, loading, packing
 from machinery.serving import openai_api
 from machinery.generation.calibration_cache import CalibrationCache
 from machinery.configurator import setting
@@ -80,7 +80,8 @@ def build(cfg):
     runner = engine.Engine(model, loaded.tokenizer, loaded.device, cfg.max_batch, cfg.max_waiting,
                            prefill_chunk=cfg.prefill_chunk, stall_timeout=cfg.stream_timeout, compile=cfg.compile,
                            prefix_cache_mb=cfg.prefix_cache_mb, calibration=CalibrationCache(),
-                           decode_attention=cfg.decode_attention, ahead=cfg.decode_ahead)
+                           ahead=cfg.decode_ahead,
+                           decode_attention=decode_attention.default(cfg.decode_attention, loaded.device, True))
     limits = openai_api.Limits(cfg.max_tokens, cfg.max_n, cfg.max_body)
     server = openai_api.Server(runner, loaded.tokenizer, cfg.served_name, limits, cfg.api_key, loaded.data_meta.chat,
                                source=cfg)

@@ -233,7 +233,13 @@ def test_sample_and_serve_refuse_a_bad_decode_attention_in_one_line(main):
 def test_the_setting_takes_flex_on_cuda_and_the_engine_refuses_it_where_rows_decode_alone():
     for device in ("cuda", "cuda:1", "auto"):  # (auto: the engine checks once the device is picked)
         parse(sample.SampleConfig, [f"--device={device}", "--decode_attention=flex"]).validate()
-    assert parse(serve.ServeConfig, []).decode_attention == "full"  # (the default, until a GPU has measured flex)
+    # left out: the command's choice, flex for a server on CUDA (its kernel compiled once at the start), else full
+    assert parse(serve.ServeConfig, []).decode_attention is None is parse(sample.SampleConfig, []).decode_attention
+    assert [decode_attention.default(None, device, server) for device, server in
+            (("cuda", True), ("cuda:1", True), ("cuda", False), ("cpu", True), ("cpu", False))] == \
+        ["flex", "flex", "full", "full", "full"]
+    assert decode_attention.default("full", "cuda", True) == "full" and \
+        decode_attention.default("flex", "cuda", False) == "flex"  # (asked for: as asked)
     with pytest.raises(UserError) as excinfo:
         engine.Engine(packing.prepare(small_model(), "cpu", "float32"), Tokens(70), max_batch=2,
                       decode_attention="flex")

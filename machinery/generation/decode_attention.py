@@ -35,6 +35,15 @@ def check(kind, fixed=True):
                         "by row, each row over its own positions); use --device=cuda or leave it out")
 
 
+def default(kind, device, server):
+    """kind, or where it is None the command's: flex for a server on CUDA, which compiles flex's kernel once at its
+    start (~10 s on an H200) and then decodes a lone request ~2x as fast as full (as many rows as fast); full for
+    sample.py, whose 500 tokens would gain less than those 10 s (BENCHMARKS.md), and on a CPU (check)."""
+    if kind is not None:
+        return kind
+    return "flex" if server and torch.device(device).type == "cuda" else "full"
+
+
 def check_ahead(ahead, fixed=True):
     """A one-line error for decode_ahead asked for where decoding does not run in the fixed step."""
     if ahead and not fixed:

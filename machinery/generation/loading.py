@@ -74,11 +74,13 @@ class EngineSource(RunSource):
                                          "--chat), a shared system prompt, the prompt of the other samples; and "
                                          "serve.py's rows of streams nobody reads while others wait; 0: none")
 
-    decode_attention: str = setting("full", "how each row attends in CUDA's fixed decoding step: full (SDPA over "
-                                            "the whole cache, masked to the row's positions) or flex (FlexAttention, "
-                                            "compiled, over the row's own blocks of the cache only; full where it "
-                                            "cannot run, said once). The CPU decodes row by row, each row over its "
-                                            "own positions: flex does not apply there (refused)")
+    decode_attention: Optional[str] = setting(None, "how each row attends in CUDA's fixed decoding step: full (SDPA "
+                                                    "over the whole cache, masked to the row's positions) or flex "
+                                                    "(FlexAttention, compiled, over the row's own blocks of the cache "
+                                                    "only; full where it cannot run, said once); None: flex for "
+                                                    "serve.py on CUDA (its kernel compiled once at the start), full "
+                                                    "for sample.py. The CPU decodes row by row, each row over its "
+                                                    "own positions: flex does not apply there (refused)")
 
     decode_ahead: Optional[bool] = setting(None, "launch each step of CUDA's fixed decoding before reading the tokens "
                                                  "of the one before, so that reading, streaming and stop texts "
@@ -90,7 +92,8 @@ class EngineSource(RunSource):
         if self.prefix_cache_mb < 0:
             raise UserError(f"prefix_cache_mb must be 0 (no prefix cache) or more, got {self.prefix_cache_mb}")
         device = self.device.split(":")[0]  # (auto: the engine checks, once it is picked)
-        decode_attention.check(self.decode_attention, fixed=device in ("cuda", "auto"))
+        if self.decode_attention is not None:
+            decode_attention.check(self.decode_attention, fixed=device in ("cuda", "auto"))
         decode_attention.check_ahead(self.decode_ahead, fixed=device in ("cuda", "auto"))
 
 
