@@ -19,8 +19,8 @@ rest still runs), `--parts` choosing some of them (two commands where one would 
   train     Muon's training step against AdamW's on the GPU speedrun's model and GPT-2 124M's (ms/iter, tokens/s,
             MFU), each timed as train.py runs it (bench.py --mode=train), then the training levers a row each
             (cuda_graph, compile, sdpa_backend, the micro-batch) and the top kernels of a step of each model;
-  speedrun  the GPU speedrun against nanoGPT's recipe through our train.py, one pair of whole processes (4-5
-            minutes on an H100: last, and only when the budget leaves room for it).
+  speedrun  the GPU speedrun against nanoGPT's recipe through our train.py, one pair of whole processes (about 2
+            minutes on an H200: last, and only when the budget leaves room for it).
 
 Then the table for BENCHMARKS.md. The goals are issues 56 and 57's.
 """
@@ -49,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_cuda_decoding.py", "tests/test_cuda_decisions.py"]
 PARTS = ("tests", "sample", "decode", "serve", "train", "speedrun")
 PROFILED_STEPS = 50  # decoding steps under the profiler a lever (a token's kernels are the same at each step)
-SPEEDRUN_SECONDS = 300  # a GPU speedrun pair (121.5 + 142.9 s on an H100 at 9a9f78c) and its start-ups
+SPEEDRUN_SECONDS = 150  # a GPU speedrun pair (27.1 + 84.6-97.1 s on an H200, 2026-11-28) and its margin
 # (decode_attention, compile, decode_ahead): the first is the engine before issue 57; the quick form leaves compile out
 DECODE_LEVERS = [("full", False, False), ("full", False, True), ("flex", False, True), ("full", True, True),
                  ("flex", True, True)]
