@@ -654,6 +654,10 @@ def test_gpu_mode_runs_its_quick_form_on_a_cpu_and_prints_every_line(capsys, mon
                                                     f"batch 1, {dtype}, {DECODE_LEVERS[1]}")] + [
                                       "speedrun model, muon, top kernels of one iteration",
                                       "GPT-2 124M, top kernels of one iteration"], titles
+    # the training part's models as train.py trains them: the speedrun model with shakespeare_char's 65 characters
+    # (bench.py's random tokens would take GPT-2's vocabulary where that dataset is not prepared), GPT-2's padded
+    assert re.findall(r"^model: .*, vocab (\d+)\)", out, re.M) == ["65"] * 2 + ["50304"] + ["65"] * 2 + \
+        ["50304"] * 2, out
     assert [os.path.basename(args[0]) for args in calls["train.py"]] == ["speedrun_shakespeare_char_gpu.py",
                                                                          "train_shakespeare_char.py"]
     assert len(calls["sample.py"]) == 1  # (float32 only, one run: repeats 1)
