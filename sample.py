@@ -25,6 +25,8 @@ A chat model (one finetuned on conversations: prepare.py chat) is talked to inst
 each line typed is the user's turn, the reply streams back, and the conversation stays in
 the context (machinery/generation/talk.py: each turn encodes only its new message, the rest is
 taken from the engine's prefix cache, --prefix_cache_mb); an empty line or Ctrl-D ends it.
+With --tools=FILE (OpenAI's tools, as serve.py takes them) its replies may call them; the line
+typed after a call is what the tool returned.
 """
 
 import sys
@@ -34,6 +36,7 @@ from typing import Optional
 
 import machinery.torch_import  # noqa: F401  (first: torch imported with the collector paused, a faster start)
 from machinery import configurator
+from machinery.data import chat
 from machinery.generation import decode_attention, engine, grammar, loading, packing, talk
 from machinery.generation.calibration_cache import CalibrationCache
 from machinery.configurator import setting
@@ -41,6 +44,7 @@ from machinery.errors import UserError, exit_without_teardown, run_main
 from machinery.fileio import read_json_object, read_text
 from machinery.hardware import describe
 from machinery.generation.request import Request
+from machinery.serving import openai_chat, openai_requests
 from machinery.data.tokenizer import end_of_text_stop
 
 
@@ -63,6 +67,13 @@ class SampleConfig(loading.EngineSource):
                                 "streams back, the conversation stays in the context (its oldest turns dropped "
                                 "when it is full); an empty line or Ctrl-D ends it")
     system: Optional[str] = setting(None, "--chat: the system message the conversation begins with")
+    tools: Optional[str] = setting(None, "--chat: a JSON file of the tools the model may call, as OpenAI's API takes "
+                                         "them ([{\"type\": \"function\", \"function\": {\"name\", "
+                                         "\"description\", \"parameters\"}}]); a call is compact JSON by "
+                                         "constrained decoding (needs llguidance), and the line you type after it "
+                                         "is what the tool returned")
+    tool_choice: str = setting("auto", "--tools: auto (a call or text), required (a call), none, or a function's "
+                                       "name (a call of it), as OpenAI's tool_choice")
     json_schema: Optional[str] = setting(None, "each sample is JSON that follows the JSON schema in this file (or "
                                                "'object': any JSON object), compact, by constrained decoding "
                                                "(needs llguidance)")
@@ -82,6 +93,10 @@ class SampleConfig(loading.EngineSource):
                             f"user's turns, one reply each); leave it out")
         if self.system is not None and not self.chat:
             raise UserError("--system is the system message of a conversation; add --chat")
+        if (self.tools is not None or "tool_choice" in given) and not self.chat:
+            raise UserError("--tools and --tool_choice are for a conversation's replies; add --chat")
+        if "tool_choice" in given and self.tools is None:
+            raise UserError("--tool_choice needs --tools (a JSON file of the tools the model may call)")
         if self.json_schema is not None and self.chat:
             raise UserError("--json_schema does not apply to --chat yet; sample without --chat")
 
@@ -106,6 +121,7 @@ WARM_TOKENS = 2  # a sample's tokens before its decoding rate is timed: the prom
 def main(argv=None):
     cfg = configurator.parse(SampleConfig, argv, usage="python sample.py [--key=value ...]", extra_files_ok=False)
     cfg.validate()
+    tools, choice, callables = read_tools(cfg.tools, cfg.tool_choice)  # (before the model: a bad file fails first)
     loaded = loading.load_run(cfg)
     tokenizer = loaded.tokenizer
     if cfg.chat:
@@ -123,7 +139,7 @@ def main(argv=None):
                            calibration=CalibrationCache(), ahead=cfg.decode_ahead,
                            decode_attention=decode_attention.default(cfg.decode_attention, loaded.device, False))
     if cfg.chat:
-        talk.converse(cfg, runner, tokenizer)
+        talk.converse(cfg, runner, tokenizer, tools=tools, grammar=reply_grammar(tokenizer, choice, callables))
     else:
         print_samples(cfg, runner, tokenizer, prompt, ids, schema)
 
@@ -149,6 +165,33 @@ def read_schema(path, tokenizer):
         return grammar.compile_schema(tokenizer, schema)
     except ValueError as e:
         raise UserError(f"--json_schema: {e}") from None
+
+
+def read_tools(path, choice):
+    """--tools and --tool_choice as serve.py reads a chat request's (openai_chat.read_tools): (the functions shown to
+    the model, tool_choice, the [(name, parameters)] a reply may call); ([], "none", []) without --tools. A one-line
+    error for a file or a choice that is not one."""
+    if path is None:
+        return [], "none", []
+    tools = read_json_object(path, '; give --tools a JSON file of a list of {"type": "function", "function": {...}}',
+                             kind=list)
+    named = {"type": "function", "function": {"name": choice}} if choice not in ("auto", "required", "none") \
+        else choice
+    try:
+        return openai_chat.read_tools({"tools": tools, "tool_choice": named})
+    except openai_requests.APIError as e:
+        raise UserError(f"--tools: {e}") from None
+
+
+def reply_grammar(tokenizer, choice, callables):
+    """The grammar of a reply that may call callables: a call (tool_choice required), a call or text (auto); None
+    for none. A one-line error for a function's parameters that are no schema llguidance takes."""
+    if choice == "none":
+        return None
+    try:
+        return grammar.compile_schema(tokenizer, chat.call_schema(callables), or_text=choice == "auto")
+    except ValueError as e:
+        raise UserError(f"--tools: a function's parameters: {e}") from None
 
 
 def print_samples(cfg, runner, tokenizer, prompt, ids, schema=None):

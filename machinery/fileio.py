@@ -73,13 +73,14 @@ def read_text(path, what, fix):
         raise UserError(f"cannot read {what} {path} ({getattr(e, 'strerror', None) or first_line(e)}); {fix}") from None
 
 
-def read_json_object(path, fix):
-    """The dict in a JSON file; a file that is not valid JSON or holds no object is a one-line error."""
+def read_json_object(path, fix, kind=dict):
+    """The dict (kind list: the list) in a JSON file; a file that is not valid JSON or holds none is a one-line
+    error."""
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
     except (OSError, ValueError) as e:
         raise UserError(f"{path} is not valid JSON ({e}){fix}") from None
-    if not isinstance(value, dict):
-        raise UserError(f"{path} does not hold a JSON object{fix}")
+    if not isinstance(value, kind):
+        raise UserError(f"{path} does not hold a JSON {'object' if kind is dict else 'list'}{fix}")
     return value

@@ -131,7 +131,7 @@ def test_a_long_conversation_keeps_the_latest_turns_that_leave_room_for_a_reply_
     said = [(f"Question number {i} is here", f"Answer {i}.") for i in range(6)]
     conversation = talk.Conversation(tok, block_size=60, room=10, system="Be brief.")
     for i, (question, answer) in enumerate(said):
-        ids = conversation.prompt(question)
+        ids = conversation.prompt({"role": "user", "content": question})
         # the expected prompt: the most recent turns k (whole ones) such that it leaves room tokens of 60
         for k in range(i, -1, -1):
             messages = system + [m for q, a in said[i - k:i] for m in ({"role": "user", "content": q},

@@ -5,14 +5,16 @@ are the model's own for the tokens chosen, and each refusal is a 400 after which
 server: a tiny GPT-2 BPE chat model taught TAUGHT_TOOLS (a call, a greeting, an answer after a tool's result), whose
 text is nonsense elsewhere: that makes the guarantee visible."""
 
+import io
 import json
+import sys
 
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from conftest import teach_chat_model
+from conftest import assert_one_error_line, run_in_process, teach_chat_model
 from machinery.data import chat
 from machinery.data.tokenizer import GPT2Tokenizer
 from machinery.serving.openai_responses import Reply
@@ -222,6 +224,52 @@ def test_tool_choice_auto_calls_or_talks_as_taught_and_a_tools_result_is_answere
     plain = ask(server, ASK, temperature=0, tools=TOOLS, tool_choice="none", max_tokens=30)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "stop"
     assert plain.choices[0].message.content == texts[2]
+
+
+def test_sample_py_chat_calls_the_tools_as_the_server_does_and_reads_each_result_typed(server, tmp_path, monkeypatch):
+    import sample
+    from machinery.generation import engine
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    prompts, submit = [], engine.Engine.submit
+    monkeypatch.setattr(engine.Engine, "submit", lambda runner, r, *a, **kw: prompts.append(r.prompt) or
+                        submit(runner, r, *a, **kw))
+
+    def chat_in_terminal(lines, *args):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+        return run_in_process(sample.main, f"--out_dir={server.out}", "--device=cpu", "--dtype=float32", "--chat",
+                              "--temperature=0", "--max_new_tokens=40", *args, check=False)
+    # auto: the question is answered with the call the server makes; the line typed then is its result, answered
+    # as the server answers it; a greeting is text (the model is taught one-question conversations)
+    proc = chat_in_terminal("Weather in Paris?\n21\n", f"--tools={tools}")
+    call = '{"name":"get_weather","arguments":{"city":"Paris","unit":"C"}}'
+    assert proc.returncode == 0 and proc.stdout == f"{call}\nIt is 21 C.\n\n", proc.stderr
+    assert chat_in_terminal("Hello\n", f"--tools={tools}").stdout == "Hi there!\n\n"
+    assert "note: a call of get_weather; type what it returned" in proc.stderr
+    # the second prompt: the tools listed, the call as the assistant's JSON, the result typed a user message, as
+    # the server's (its prompt tokens counted by hand in the test above)
+    lines = "\n".join(compact(f) for f in FUNCTIONS)
+    texts = [f'To call one of these tools, reply with only {{"name": its name, "arguments": its arguments}} as JSON:'
+             f"\n{lines}", "Weather in Paris?", call, "The tool get_weather returned: 21"]
+    encode = GPT2Tokenizer().encode
+    assert len(prompts[1]) == 1 + sum(2 + len(encode(t)) for t in texts) + 1 == \
+        ask(server, CALLED, temperature=0, tools=TOOLS).usage.prompt_tokens
+    ids = [encode(t) for t in texts]  # (each text whole in the prompt, in order)
+    at = [next(i for i in range(len(prompts[1])) if prompts[1][i:i + len(t)] == t) for t in ids]
+    assert at == sorted(at)
+    # none: text, however much it looks like a call; required and a named function: calls
+    assert chat_in_terminal("Weather in Paris?\n", f"--tools={tools}", "--tool_choice=none").stdout == f"{call}\n\n"
+    named = chat_in_terminal("Hello\n", f"--tools={tools}", "--tool_choice=add")
+    assert json.loads(named.stdout)["name"] == "add" and "a call of add" in named.stderr
+    # mistakes: one line each, exit 2
+    (tmp_path / "object.json").write_text("{}")
+    for args, says in [([f"--tools={tmp_path / 'object.json'}"], "does not hold a JSON list"),
+                       ([f"--tools={tools}", "--tool_choice=weather"], "not among tools"),
+                       (["--tool_choice=required"], "--tool_choice needs --tools")]:
+        assert_one_error_line(chat_in_terminal("Hello\n", *args), says)
+    proc = run_in_process(sample.main, f"--out_dir={server.out}", f"--tools={tools}", check=False)
+    assert_one_error_line(proc, "--tools", "--chat")
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])

@@ -137,6 +137,15 @@ def call_schema(tools):
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
+def is_call(text):
+    """Whether text is a whole call, as call_schema's grammar writes it: a JSON object of a name and arguments."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(call, dict) and set(call) == {"name", "arguments"}
+
+
 def with_tools(messages, tools=()):
     """messages with tools as the formats take them ({role, content}, roles of ROLES): tools ([{name, description,
     parameters}]) listed after TOOLS_INTRO at the end of the system message (one is made where there is none), an

@@ -7,11 +7,14 @@ generated after the conversation so far, encoded by chat.encode with its generat
 assistant's end of turn. In the terminal the whole conversation stays in the context, turn after turn; when the
 next prompt would leave less than a reply's room in block_size, its oldest turns are dropped (a system message
 stays), and that is said once. After each reply the conversation so far is encoded into the engine's prefix cache
-(Engine.cache_tail), so the next turn encodes only its new message.
+(Engine.cache_tail), so the next turn encodes only its new message. With tools (sample.py --chat --tools), the
+model sees them as serve.py shows them (chat.with_tools), a reply follows their grammar (a call, or a call or text),
+and the line typed after a call is that tool's result.
 """
 
 import contextlib
 import itertools
+import json
 import sys
 
 from machinery.data import chat
@@ -36,23 +39,23 @@ def stop_tokens(tokenizer):
 
 
 class Conversation:
-    """The messages so far (a system message, then user and assistant turns) and the prompt of the next reply:
-    the latest turns that leave `room` tokens of block_size for the reply (the system message always stays)."""
+    """The messages so far (a system message, then turns: a user's message or a tool's result, and the assistant's
+    reply) and the prompt of the next reply: the latest turns that leave `room` tokens of block_size for the reply
+    (the system message always stays); tools: the functions listed to the model (chat.with_tools)."""
 
-    def __init__(self, tokenizer, block_size, room, system=None):
-        self.tokenizer, self.block_size, self.room = tokenizer, block_size, room
+    def __init__(self, tokenizer, block_size, room, system=None, tools=()):
+        self.tokenizer, self.block_size, self.room, self.tools = tokenizer, block_size, room, tools
         self.system = [{"role": "system", "content": system}] if system else []
-        self.turns = []  # [user message, assistant message] pairs, oldest first
+        self.turns = []  # [message, assistant message] pairs, oldest first
         self.dropped = 0  # turns dropped so far, for good
 
-    def prompt(self, text):
-        """The ids of the conversation with a new user message (text) and the generation prompt, its oldest turns
-        dropped while it leaves less than room tokens for the reply. UserError when the message does not fit the
-        context with the system message alone (nothing is kept of it)."""
-        asked = {"role": "user", "content": text}
+    def prompt(self, asked):
+        """The ids of the conversation with a new message (asked: the user's, or a tool's result) and the generation
+        prompt, its oldest turns dropped while it leaves less than room tokens for the reply. UserError when the
+        message does not fit the context with the system message alone (nothing is kept of it)."""
         while True:
             messages = self.system + [m for turn in self.turns for m in turn] + [asked]
-            ids, _ = chat.encode(self.tokenizer, messages, add_generation_prompt=True)
+            ids, _ = chat.encode(self.tokenizer, chat.with_tools(messages, self.tools), add_generation_prompt=True)
             if len(ids) + self.room <= self.block_size or not self.turns:
                 break
             self.turns.pop(0)
@@ -63,34 +66,41 @@ class Conversation:
         self.turns.append([asked])
         return ids
 
-    def answered(self, text):
-        """The assistant's reply to the last prompt."""
-        self.turns[-1].append({"role": "assistant", "content": text})
+    def answered(self, text, calls=False):
+        """The assistant's reply to the last prompt; with calls (tools callable), a reply that is a whole call
+        becomes that call. Returns the name of the function called, or None."""
+        call = json.loads(text) if calls and chat.is_call(text) else None
+        self.turns[-1].append({"role": "assistant", "content": text} if call is None else
+                              {"role": "assistant", "content": None, "calls": [(call["name"], call["arguments"])]})
+        return call and call["name"]
 
 
-def converse(cfg, runner, tokenizer, read=input, out=None):
+def converse(cfg, runner, tokenizer, read=input, out=None, tools=(), grammar=None):
     """sample.py --chat: read the user's lines (read(): input() in a terminal, showing PROMPT) and print each reply
     as it is generated (cfg: sample.py's settings; reply i draws with seed + i), until an empty line, Ctrl-D or
-    Ctrl-C at the prompt. Ctrl-C during a reply stops it there (what was said stays in the conversation)."""
+    Ctrl-C at the prompt. Ctrl-C during a reply stops it there (what was said stays in the conversation). tools:
+    the functions listed to the model, grammar: its replies' (a call, or a call or text); after a call, the line
+    read is that function's result."""
     out = out or sys.stdout
     block_size = runner.block_size
-    conversation = Conversation(tokenizer, block_size, min(cfg.max_new_tokens, block_size // 2), cfg.system)
-    shown = PROMPT if sys.stdin.isatty() else ""
-    if shown:
+    conversation = Conversation(tokenizer, block_size, min(cfg.max_new_tokens, block_size // 2), cfg.system, tools)
+    tty = sys.stdin.isatty()
+    if tty:
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401  (line editing and history for input())
     print(f"a conversation with {cfg.name}: an empty line or Ctrl-D ends it", file=sys.stderr)
-    said = False
+    said, called = False, None
     for i in itertools.count():
         try:
-            text = read(shown)
+            text = read((f"{called} returned> " if called else PROMPT) if tty else "")
         except (EOFError, KeyboardInterrupt):
             print(file=out)
             return
         if not text.strip():
             return
         try:
-            ids = conversation.prompt(text)
+            ids = conversation.prompt({"role": "tool", "name": called, "content": text} if called else
+                                      {"role": "user", "content": text})
         except UserError as e:
             print(f"note: {e}", file=sys.stderr)
             continue
@@ -100,8 +110,10 @@ def converse(cfg, runner, tokenizer, read=input, out=None):
                   f"tokens, a reply's included): its oldest turns are dropped", file=sys.stderr)
         request = Request(ids, min(cfg.max_new_tokens, block_size - len(ids)), cfg.temperature, cfg.top_k,
                           cfg.top_p, seed=cfg.seed + i, stop=(cfg.stop,) if cfg.stop else (),
-                          stop_tokens=stop_tokens(tokenizer))
-        conversation.answered(reply(runner, request, cfg.stream, out))
+                          stop_tokens=stop_tokens(tokenizer), grammar=grammar)
+        called = conversation.answered(reply(runner, request, cfg.stream, out), calls=grammar is not None)
+        if called:
+            print(f"note: a call of {called}; type what it returned", file=sys.stderr)
         while runner.cache_tail():  # (before the next line is read: the next turn then encodes only what is new)
             pass
 

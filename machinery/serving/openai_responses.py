@@ -119,7 +119,7 @@ class Reply:
         """The last deltas, and the finish reason as OpenAI's ("tool_calls" for a call the grammar has ended)."""
         if not self.is_call:
             return self._content(), finish_reason
-        whole = finish_reason == "stop" and is_call(self.text)
+        whole = finish_reason == "stop" and chat.is_call(self.text)
         deltas = self._call(len(self.text) - whole)  # (whole: its last "}" is the call's, not its arguments')
         return (deltas, "tool_calls" if whole else finish_reason) if self.name else ([{"content": self.text}],
                                                                                     finish_reason)
@@ -162,15 +162,6 @@ class Reply:
             deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": self.text[self.sent:upto]}}]})
             self.sent = upto
         return deltas
-
-
-def is_call(text):
-    """Whether text is a whole call: a JSON object of a name and arguments."""
-    try:
-        call = json.loads(text)
-    except ValueError:
-        return False
-    return isinstance(call, dict) and set(call) == {"name", "arguments"}
 
 
 def scored(tokenizer, token_id, logprob):
