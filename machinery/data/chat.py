@@ -137,13 +137,13 @@ def call_schema(tools):
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-def is_call(text):
-    """Whether text is a whole call, as call_schema's grammar writes it: a JSON object of a name and arguments."""
+def parse_call(text):
+    """The call that text is, whole, as call_schema's grammar writes it ({"name", "arguments"}), or None."""
     try:
         call = json.loads(text)
     except ValueError:
-        return False
-    return isinstance(call, dict) and set(call) == {"name", "arguments"}
+        return None
+    return call if isinstance(call, dict) and set(call) == {"name", "arguments"} else None
 
 
 def with_tools(messages, tools=()):

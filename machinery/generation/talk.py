@@ -14,7 +14,6 @@ and the line typed after a call is that tool's result.
 
 import contextlib
 import itertools
-import json
 import sys
 
 from machinery.data import chat
@@ -69,7 +68,7 @@ class Conversation:
     def answered(self, text, calls=False):
         """The assistant's reply to the last prompt; with calls (tools callable), a reply that is a whole call
         becomes that call. Returns the name of the function called, or None."""
-        call = json.loads(text) if calls and chat.is_call(text) else None
+        call = chat.parse_call(text) if calls else None
         self.turns[-1].append({"role": "assistant", "content": text} if call is None else
                               {"role": "assistant", "content": None, "calls": [(call["name"], call["arguments"])]})
         return call and call["name"]

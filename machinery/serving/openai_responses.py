@@ -119,7 +119,7 @@ class Reply:
         """The last deltas, and the finish reason as OpenAI's ("tool_calls" for a call the grammar has ended)."""
         if not self.is_call:
             return self._content(), finish_reason
-        whole = finish_reason == "stop" and chat.is_call(self.text)
+        whole = finish_reason == "stop" and chat.parse_call(self.text) is not None
         deltas = self._call(len(self.text) - whole)  # (whole: its last "}" is the call's, not its arguments')
         return (deltas, "tool_calls" if whole else finish_reason) if self.name else ([{"content": self.text}],
                                                                                     finish_reason)
