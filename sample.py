@@ -47,6 +47,8 @@ from machinery.generation.request import Request
 from machinery.serving import openai_chat, openai_requests
 from machinery.data.tokenizer import end_of_text_stop
 
+WARM_TOKENS = 2  # a sample's tokens before its decoding rate is timed: the prompt's pass, CUDA graph's capture
+
 
 @dataclass
 class SampleConfig(loading.EngineSource):
@@ -97,6 +99,9 @@ class SampleConfig(loading.EngineSource):
             raise UserError("--tools and --tool_choice are for a conversation's replies; add --chat")
         if "tool_choice" in given and self.tools is None:
             raise UserError("--tool_choice needs --tools (a JSON file of the tools the model may call)")
+        if self.tools is not None and self.stop is not None and self.tool_choice != "none":
+            raise UserError("--stop cannot be combined with --tools: a stop text inside a call's JSON would cut it "
+                            "(a call ends by itself); leave one out")
         if self.json_schema is not None and self.chat:
             raise UserError("--json_schema does not apply to --chat yet; sample without --chat")
 
@@ -113,9 +118,6 @@ def encode(tokenizer, text, what):
         return tokenizer.encode(text)
     except UserError as e:
         raise UserError(f"{what}: {e}") from None
-
-
-WARM_TOKENS = 2  # a sample's tokens before its decoding rate is timed: the prompt's pass, CUDA graph's capture
 
 
 def main(argv=None):

@@ -266,7 +266,8 @@ def test_sample_py_chat_calls_the_tools_as_the_server_does_and_reads_each_result
     (tmp_path / "object.json").write_text("{}")
     for args, says in [([f"--tools={tmp_path / 'object.json'}"], "does not hold a JSON list"),
                        ([f"--tools={tools}", "--tool_choice=weather"], "not among tools"),
-                       (["--tool_choice=required"], "--tool_choice needs --tools")]:
+                       (["--tool_choice=required"], "--tool_choice needs --tools"),
+                       ([f"--tools={tools}", "--stop=}"], "--stop cannot be combined with --tools")]:
         assert_one_error_line(chat_in_terminal("Hello\n", *args), says)
     proc = run_in_process(sample.main, f"--out_dir={server.out}", f"--tools={tools}", check=False)
     assert_one_error_line(proc, "--tools", "--chat")
