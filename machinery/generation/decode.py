@@ -78,8 +78,10 @@ class Rows:
         self.slots, self.rows = slots, rows  # [(slot, length)]
 
     def positions(self, T, device):
-        """The positions of T new tokens: (B, T), each row's own."""
-        return torch.tensor([[length + t for t in range(T)] for _, length in self.rows], device=device)
+        """The positions of T new tokens: (B, T), each row's own (arange, not range(T): compiled, T stays symbolic and
+        one graph serves every prompt length)."""
+        starts = torch.tensor([length for _, length in self.rows], device=device)
+        return starts[:, None] + torch.arange(T, device=device)
 
     def attend(self, layer, q, k, v, heads):
         """Store each row's k, v (B, nh, T, hs) in its slot; the heads' attention of each row over its positions."""
