@@ -38,6 +38,7 @@ from machinery.data import chat, conversations
 from machinery.generation import engine, loading, packing
 from machinery.errors import UserError
 from machinery.generation.request import Request
+from machinery.generation.calibration_cache import CalibrationCache
 
 SYSTEM = "Answer questions about the user's list of words."
 # common nouns, half of them animals, each one GPT-2 token after a space (tests/test_bench.py checks)
@@ -206,8 +207,9 @@ def masked_loss(model, split, device, batch_size=16):
 
 def replies(model, tok, device, turns, batch=64):
     """Each turn's greedy reply (prompt ids, expected text) through the generation engine: (text, finish_reason).
-    The turns go in `batch` at a time, all prompts of a batch encoded before its rows decode together."""
-    runner = engine.Engine(model, tok, device, max_batch=batch, max_waiting=batch)
+    The turns go in `batch` at a time, all prompts of a batch encoded before its rows decode together. The
+    engine's calibration is this machine's file, as serve.py's: the same shapes at every evaluation, measured once."""
+    runner = engine.Engine(model, tok, device, max_batch=batch, max_waiting=batch, calibration=CalibrationCache())
     answers = []
     for i in range(0, len(turns), batch):
         generations = [runner.submit(Request(ids, max_tokens=len(tok.encode(expected)) + MAX_EXTRA_TOKENS,

@@ -56,6 +56,7 @@ from machinery.fileio import read_text
 from machinery.hardware import DTYPES
 from machinery.data.meta import DatasetMeta
 from machinery.generation.request import Request
+from machinery.generation.calibration_cache import CalibrationCache
 from machinery.data.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE
 from model import GPT
 
@@ -155,8 +156,10 @@ def transformers_greedy(hf_dir, device, dtype, prompt, n):
 def greedy_engine(hf_dir, device, dtype, quantize=None, compile=False, max_batch=1, **settings):
     """Our engine on the model in hf_dir, loaded as serve.py's build loads it (quantize, compile: as --quantize,
     --compile), by default with one row of KV cache as sample.py makes for one sample (a fixed step, CUDA's,
-    computes every row of the cache); settings: more of engine.Engine's; (the engine, the tokenizer)."""
+    computes every row of the cache); settings: more of engine.Engine's; (the engine, the tokenizer). As serve.py's,
+    its calibration is this machine's file (CalibrationCache): the bench's engines of one shape measure it once."""
     loaded = loading.load(loading.ModelSource(init_from=hf_dir), device, dtype)
+    settings.setdefault("calibration", CalibrationCache())
     runner = engine.Engine(packing.prepare(loaded.model, loaded.device, loaded.dtype, compile, quantize),
                            loaded.tokenizer, loaded.device, max_batch=max_batch, compile=compile, **settings)
     return runner, loaded.tokenizer
