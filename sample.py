@@ -188,10 +188,11 @@ def read_tools(path, choice):
 def reply_grammar(tokenizer, choice, callables):
     """The grammar of a reply that may call callables: a call (tool_choice required), a call or text (auto); None
     for none. A one-line error for a function's parameters that are no schema llguidance takes."""
-    if choice == "none":
+    spec = chat.calls_grammar(choice, callables)
+    if spec is None:
         return None
     try:
-        return grammar.compile_schema(tokenizer, chat.call_schema(callables), or_text=choice == "auto")
+        return grammar.compile_schema(tokenizer, *spec)
     except ValueError as e:
         raise UserError(f"--tools: a function's parameters: {e}") from None
 

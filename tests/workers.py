@@ -13,9 +13,11 @@ named one by one (FILE::TEST: a worker's start-up, ~3 s, is more than they save)
 pytest -q -n 0` runs the suite in one process.
 
 Here and not in conftest.py: arguments can be changed only before they are parsed, in
-pytest_load_initial_conftests, which pytest calls for plugins and never for conftest files.
+pytest_load_initial_conftests, which pytest calls for plugins and never for conftest files. After collection, what
+it imported is frozen out of the garbage collector's passes (pytest_collection_finish).
 """
 
+import gc
 import os
 
 MOST_WORKERS = 8  # (more processes than that only multiply the collection's imports, ~12 s of CPU each)
@@ -55,14 +57,11 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=rank)
 
 
-
 def pytest_collection_finish(session):
-    """What collection imported (transformers, the openai client, the test modules: millions of objects that live
-    as long as the process) is moved out of the garbage collector's sight, and it runs less often: its full
-    passes walked all of it ~25 times a worker, ~6 s of a worker's CPU, freeing next to nothing (measured with
-    gc.callbacks: 11.9 s on 2 workers, 7.5 s after). Cycles are still collected, only later."""
-    import gc
-
+    """What collection imported (transformers, the openai client, the test modules: objects that live as long as
+    the process) is moved out of the garbage collector's sight, and it runs less often: its full passes walked all
+    of it again and again, freeing next to nothing (BENCHMARKS.md, machine B, the suite). Cycles are still
+    collected, only later."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(20000, 20, 20)

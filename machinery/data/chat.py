@@ -137,6 +137,13 @@ def call_schema(tools):
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
+def calls_grammar(choice, tools):
+    """(the JSON schema, or_text) of a reply under tool_choice `choice` (OpenAI's: none, auto, required, or a
+    function's name, whose tools are then that one): a call of one of tools, or for auto a call or free text; None
+    for none (plain text)."""
+    return None if choice == "none" else (call_schema(tools), choice == "auto")
+
+
 def parse_call(text):
     """The call that text is, whole, as call_schema's grammar writes it ({"name", "arguments"}), or None."""
     try:

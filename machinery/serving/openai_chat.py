@@ -162,8 +162,9 @@ def reply_grammar(format, choice, callables, requests):
     if choice != "none" and format is not None:
         raise APIError(400, "response_format JSON with tools is not supported: send tool_choice none, or leave "
                             "response_format out", "response_format", "unsupported")
-    spec = (chat.call_schema(callables), choice == "auto", "tools") if choice != "none" else \
-        (format, False, "response_format") if format is not None else None
+    calls = chat.calls_grammar(choice, callables)
+    spec = (*calls, "tools") if calls is not None else (format, False, "response_format") if format is not None \
+        else None
     if spec is not None and requests.stop:
         raise APIError(400, f"stop cannot be combined with {spec[2]}: a stop text inside the JSON would cut it (the "
                             f"JSON ends by itself); send one or the other", "stop", "unsupported")
